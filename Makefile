@@ -1,0 +1,43 @@
+# Every target creates .venv and installs what it needs; running one twice
+# reinstalls nothing. torch (when a later target needs it) comes from
+# constraints.txt, pinned to the CPU build.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip install --quiet --constraint constraints.txt
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test test-all bench system-deps clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# Reinstall only when the project's requirements change.
+$(STAMP): pyproject.toml constraints.txt | $(PY)
+	$(PIP) -e '.[test,ray]'
+	@touch $@
+
+# bubblewrap provides the sandboxes. Installed with apt when missing and we
+# are root; otherwise we say how to get it (the tests that need it then skip).
+system-deps:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null) || echo "warning: could not install bubblewrap"; \
+	  else \
+	    echo "note: bubblewrap is missing; install it with your package manager (Debian/Ubuntu: sudo apt-get install bubblewrap)"; \
+	  fi; }
+
+demo: $(STAMP) system-deps
+	$(VENV)/bin/atelier sandbox bench
+
+test: $(STAMP) system-deps
+	$(PY) -m pytest
+
+test-all: $(STAMP) system-deps
+	$(PY) -m pytest -m ''
+
+bench: $(STAMP) system-deps
+	$(PY) benchmarks/sandbox.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

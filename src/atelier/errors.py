@@ -1,0 +1,22 @@
+"""The root of atelier's typed errors.
+
+Every error a user can cause (bad input, missing tool, bad config) is an
+`AtelierError`: its message says what is wrong and `hint` says how to fix it.
+The CLI prints both and exits with status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+
+class AtelierError(Exception):
+    """An error with a message for the user and a hint that says what to do."""
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        if self.hint:
+            return f"{self.message}\n  hint: {self.hint}"
+        return self.message
