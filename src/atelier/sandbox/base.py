@@ -1,0 +1,199 @@
+"""The `Sandbox` contract, its configuration, results and typed errors.
+
+Every backend (bubblewrap, local subprocess, a Ray-placed remote) gives the same
+five operations: `exec`, `read_file`/`write_file`, `diff`, `fork`, `close`.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from pathlib import Path
+from typing import Callable, Literal, Sequence, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from atelier.errors import AtelierError
+
+Command = Union[str, Sequence[str]]
+"""A shell command line (run by ``/bin/sh -c``) or an argv list (run as is)."""
+
+OutputCallback = Callable[[str, bytes], None]
+"""Called with ("stdout" | "stderr", chunk) as output arrives, for streaming."""
+
+WORKDIR = "/workspace"
+MiB = 1024 * 1024
+
+
+class SandboxConfig(BaseModel):
+    """Limits and options of one sandbox. A task may set any of them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: Literal["bwrap", "local"] = "bwrap"
+    """`bwrap` isolates with Linux namespaces; `local` is a plain subprocess that
+    isolates nothing (for machines without user namespaces) and says so."""
+    timeout_s: float = Field(60.0, gt=0)
+    """Default wall-clock limit of one `exec`; the whole process group is killed
+    past it and the result has exit code 124 and `timed_out=True`."""
+    memory_mb: int = Field(2048, gt=0)
+    """Address-space limit of each process (RLIMIT_AS); also a memory cgroup
+    limit for the whole sandbox where a writable cgroup hierarchy exists."""
+    max_processes: int = Field(256, gt=0)
+    """Processes and threads the sandbox may hold at once."""
+    disk_mb: int = Field(1024, gt=0)
+    """Bytes that may be written into the workspace and /tmp (each a tmpfs of
+    this size); past it writes fail with ENOSPC."""
+    max_file_mb: int = Field(512, gt=0)
+    """Largest file a process may write (RLIMIT_FSIZE)."""
+    max_open_files: int = Field(1024, gt=0)
+    cpu_time_s: int = Field(3600, gt=0)
+    """CPU seconds per process (RLIMIT_CPU)."""
+    output_limit_bytes: int = Field(1 * MiB, gt=0)
+    """Captured stdout and stderr are each cut here, with a visible marker."""
+    network: Literal["none", "host"] = "none"
+    """`none`: a network namespace with only its own loopback. `host`: the host's
+    network, explicitly and loudly."""
+    ro_mounts: list[str] = Field(default_factory=list)
+    """Extra read-only mounts, `SRC` (same path inside) or `SRC:DEST`; e.g. a
+    prepared dependency environment."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Variables added to the scrubbed environment of every command."""
+
+    @field_validator("ro_mounts")
+    @classmethod
+    def _absolute_mounts(cls, mounts: list[str]) -> list[str]:
+        for spec in mounts:
+            parts = spec.split(":")
+            if len(parts) > 2 or not all(p.startswith("/") for p in parts):
+                raise ValueError(f"mount {spec!r} must be an absolute SRC or SRC:DEST")
+        return mounts
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecResult:
+    exit_code: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+    duration_s: float
+    truncated: bool = False
+    """True when stdout or stderr was cut at `output_limit_bytes`."""
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+
+class SandboxError(AtelierError):
+    """Base of every sandbox failure."""
+
+
+class SandboxUnavailable(SandboxError):
+    """The backend cannot run on this machine (no bwrap, no user namespaces)."""
+
+
+class SnapshotMissing(SandboxError):
+    """The snapshot directory to create a sandbox from does not exist."""
+
+
+class SandboxLimitExceeded(SandboxError):
+    """A limit of the sandbox was hit (disk cap, process count …)."""
+
+
+class SandboxClosed(SandboxError):
+    """An operation on a sandbox after `close()`."""
+
+
+class SandboxPathError(SandboxError):
+    """A path that is outside the workspace, missing, or not a regular file."""
+
+
+class Sandbox(abc.ABC):
+    """An isolated workspace over a snapshot directory.
+
+    The snapshot is never modified; all changes live in the sandbox and are
+    visible through `diff()`. Use as a context manager or call `close()`.
+    """
+
+    snapshot: Path
+    config: SandboxConfig
+
+    @abc.abstractmethod
+    def exec(
+        self,
+        cmd: Command,
+        timeout: float | None = None,
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: bytes | None = None,
+        on_output: OutputCallback | None = None,
+    ) -> ExecResult:
+        """Run a command in the workspace; background processes it starts live
+        on until `close()`."""
+
+    @abc.abstractmethod
+    def read_bytes(self, path: str) -> bytes: ...
+
+    @abc.abstractmethod
+    def write_bytes(self, path: str, data: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def diff(self) -> str:
+        """A unified diff of the workspace against the snapshot that `git apply`
+        accepts (added, deleted, modified files; binary files as git binary
+        patches)."""
+
+    @abc.abstractmethod
+    def fork(self) -> "Sandbox":
+        """A new, independent sandbox starting from this one's files (not its
+        processes)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Kill every process of the sandbox and free its storage. Idempotent."""
+
+    @property
+    @abc.abstractmethod
+    def closed(self) -> bool: ...
+
+    def read_file(self, path: str) -> str:
+        return self.read_bytes(path).decode("utf-8", errors="replace")
+
+    def write_file(self, path: str, content: str | bytes) -> None:
+        data = content.encode("utf-8") if isinstance(content, str) else content
+        self.write_bytes(path, data)
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def workspace_relpath(path: str) -> str:
+    """Normalise a path given by a user or a model to one relative to the
+    workspace (`a/b`, `./a/b` and `/workspace/a/b` are the same file); refuse
+    anything that would leave it."""
+    if path == WORKDIR or path.startswith(WORKDIR + "/"):
+        path = path[len(WORKDIR):].lstrip("/")
+    elif path.startswith("/"):
+        raise SandboxPathError(
+            f"path {path!r} is outside the workspace",
+            hint=f"use a path relative to the workspace or under {WORKDIR}/",
+        )
+    parts: list[str] = []
+    for part in path.split("/"):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if not parts:
+                raise SandboxPathError(
+                    f"path {path!r} leaves the workspace",
+                    hint="use a path inside the workspace",
+                )
+            parts.pop()
+            continue
+        parts.append(part)
+    return "/".join(parts)

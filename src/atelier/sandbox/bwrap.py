@@ -1,0 +1,382 @@
+"""The bubblewrap sandbox: what is isolated, and what is not.
+
+A sandbox is a bubblewrap process holding a set of fresh Linux namespaces
+(user, mount, PID, network, IPC, UTS, cgroup). Every `exec` enters those
+namespaces with `nsenter`, drops every capability (`setpriv`), applies resource
+limits (`prlimit`) and runs the command in `/workspace`.
+
+Isolated:
+- Filesystem. The root is an empty tmpfs that is remounted read-only. The
+  host's `/usr` (and its top-level links), a short list of `/etc` entries and
+  any `ro_mounts` are bound read-only; home directories, `/tmp`, `/root`, `/var`,
+  `/run` and every other host path are absent (see `hostfs`). `/workspace` is an
+  overlay: the snapshot is its read-only lower layer, writes go to an upper
+  layer on a tmpfs of `disk_mb`, so the snapshot is never modified and creating
+  a sandbox costs the same for 100 or 10,000 files. `/tmp` is a tmpfs of
+  `disk_mb` too.
+- Network. With `network="none"` (the default) the sandbox has its own
+  network namespace with only a loopback: no route out, no DNS, and the host's
+  loopback listeners are unreachable. `network="host"` shares the host's
+  network and logs a warning.
+- Processes. Its own PID namespace: host processes are invisible and cannot be
+  signalled. `close()` kills the namespace's init, and the kernel then kills
+  every process in it, daemons that double-forked and called `setsid`
+  included.
+- Privileges. Commands run with no capabilities and `no_new_privs`; inside,
+  uid 0 maps to the invoking user, so nothing gains rights over host files.
+- Environment. Commands get an explicit environment (PATH, HOME=/tmp,
+  LANG, plus `env`); no host variable leaks in.
+- Resources. Per process: address space (`memory_mb`), file size, open files
+  and CPU time. Per sandbox: process count (RLIMIT_NPROC counts per user
+  namespace; for root, a pids cgroup, see `cgroups`), bytes written (tmpfs
+  size). Per `exec`: a wall-clock timeout that kills the process group, and an
+  output cap.
+
+Not isolated:
+- The kernel is shared: a kernel exploit escapes, as from any container.
+  Firecracker-class isolation needs a VM.
+- Memory is limited per process (RLIMIT_AS), not per sandbox, unless a memory
+  cgroup is writable (root); many processes can together use
+  `max_processes x memory_mb`.
+- CPU time is limited per process, not shared fairly between sandboxes.
+- `fork()` copies files, not running processes or their memory.
+- Read-only host files that are bound (the system directories) can be read.
+
+Fallback: where the kernel refuses an overlay mount inside a user namespace
+(Linux < 5.11, or a filesystem without user xattrs), the workspace is a copy
+of the snapshot in the sandbox's tmpfs. Creation, fork and diff then cost time
+proportional to the repository's size, and a warning says so once.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import weakref
+from pathlib import Path
+
+from atelier.sandbox import diff as diffs
+from atelier.sandbox import fsutil
+from atelier.sandbox.base import (
+    MiB,
+    WORKDIR,
+    Command,
+    ExecResult,
+    OutputCallback,
+    Sandbox,
+    SandboxClosed,
+    SandboxConfig,
+    SandboxError,
+    SandboxLimitExceeded,
+    SandboxPathError,
+    SandboxUnavailable,
+    SnapshotMissing,
+    workspace_relpath,
+)
+from atelier.sandbox.cgroups import SandboxCgroup
+from atelier.sandbox.hostfs import SANDBOX_PATH, runtime_dir, system_bind_args
+from atelier.sandbox.layers import Layer
+from atelier.sandbox.process import run_process
+
+log = logging.getLogger(__name__)
+
+REQUIRED_TOOLS = ("bwrap", "nsenter", "setpriv", "prlimit")
+
+# The sandbox's first process: mount the overlay (or fall back to a copy),
+# keep the upper layer as its working directory so the host can reach it
+# through /proc/PID/cwd, hide the layers from commands, then wait on stdin:
+# when the host closes the pipe or dies, it exits and the kernel ends the
+# whole PID namespace.
+HOLDER_SCRIPT = r"""
+rw=/.atelier/rw
+if mount -t overlay overlay -o "lowerdir=$1,upperdir=$rw/upper,workdir=$rw/work,userxattr" /workspace 2>$rw/mount.err; then
+  mode=overlay
+else
+  cp -a "${1%%:*}/." "$rw/upper/" || exit 97
+  mount --bind "$rw/upper" /workspace || exit 98
+  mode=copy
+fi
+cd "$rw/upper" || exit 96
+mount -t tmpfs -o ro,size=4k,mode=000 none /.atelier || exit 95
+echo "ready $mode"
+exec cat
+"""
+
+_fallback_warned = False
+_root_warned = False
+_live: "weakref.WeakSet[BwrapSandbox]" = weakref.WeakSet()
+
+
+def check_available() -> None:
+    """Raise `SandboxUnavailable` naming what is missing and how to get it."""
+    missing = [t for t in REQUIRED_TOOLS if shutil.which(t) is None]
+    if missing:
+        raise SandboxUnavailable(
+            f"bubblewrap sandboxes need {', '.join(missing)}, not found on PATH",
+            hint="install them (Debian/Ubuntu: apt-get install bubblewrap util-linux), "
+            "or use the `local` backend, which isolates nothing",
+        )
+
+
+class BwrapSandbox(Sandbox):
+    def __init__(self, snapshot: str | os.PathLike, config: SandboxConfig | None = None,
+                 *, _layers: list[Layer] | None = None) -> None:
+        check_available()
+        self.config = config or SandboxConfig()
+        self.snapshot = Path(snapshot).resolve()
+        if not self.snapshot.is_dir():
+            raise SnapshotMissing(
+                f"snapshot directory {str(snapshot)!r} does not exist",
+                hint="pass the path of a repository checkout to create the sandbox from",
+            )
+        if self.config.network == "host":
+            log.warning("sandbox over %s shares the HOST network (network='host')", self.snapshot)
+        # Layers frozen by fork(), topmost first; the snapshot is the bottom.
+        self._layers = list(_layers or [])
+        for layer in self._layers:
+            layer.acquire()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._cgroup = SandboxCgroup(self.config.max_processes, self.config.memory_mb * MiB) \
+            if os.geteuid() == 0 else None
+        if self._cgroup is not None and not self._cgroup.enforces_pids:
+            _warn_root_once()
+        try:
+            self._start()
+        except BaseException:
+            self._release()
+            raise
+        _live.add(self)
+
+    # -- lifecycle -------------------------------------------------------
+    def _bwrap_argv(self) -> list[str]:
+        cfg = self.config
+        size = str(cfg.disk_mb * MiB)
+        argv = ["bwrap", "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+                "--unshare-cgroup-try", "--uid", "0", "--gid", "0", "--cap-add", "CAP_SYS_ADMIN",
+                "--hostname", "sandbox", "--new-session", "--clearenv", "--setenv", "PATH", SANDBOX_PATH]
+        if cfg.network == "none":
+            argv.append("--unshare-net")
+        argv += system_bind_args()
+        argv += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/tmp", "--dir", WORKDIR]
+        lowers = []
+        for i, path in enumerate([*(layer.path for layer in self._layers), self.snapshot]):
+            argv += ["--ro-bind", str(path), f"/.atelier/lower{i}"]
+            lowers.append(f"/.atelier/lower{i}")
+        argv += ["--size", size, "--tmpfs", "/.atelier/rw", "--dir", "/.atelier/rw/upper",
+                 "--dir", "/.atelier/rw/work"]
+        for spec in cfg.ro_mounts:
+            src, _, dest = spec.partition(":")
+            argv += ["--ro-bind", src, dest or src]
+        argv += ["--remount-ro", "/", "--chdir", "/",
+                 "/bin/sh", "-c", HOLDER_SCRIPT, "atelier-holder", ":".join(lowers)]
+        return self._cgroup.wrap(argv) if self._cgroup else argv
+
+    def _start(self) -> None:
+        for spec in self.config.ro_mounts:
+            if not os.path.exists(spec.partition(":")[0]):
+                raise SandboxError(f"read-only mount source {spec.partition(':')[0]!r} does not exist",
+                                   hint="fix the path in `ro_mounts`")
+        self._proc = subprocess.Popen(
+            self._bwrap_argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, env={"PATH": os.environ.get("PATH", SANDBOX_PATH)},
+            start_new_session=True,
+        )
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline().decode().split()
+        if not line or line[0] != "ready":
+            self._proc.kill()
+            err = self._proc.communicate()[1].decode(errors="replace").strip()
+            raise SandboxUnavailable(
+                f"bubblewrap could not create a sandbox: {err or 'no output'}",
+                hint="unprivileged user namespaces must be enabled "
+                "(sysctl kernel.unprivileged_userns_clone=1; on Ubuntu 24.04+ also "
+                "kernel.apparmor_restrict_unprivileged_userns=0), or use the `local` backend",
+            )
+        self.mode = line[1]
+        if self.mode == "copy":
+            _warn_fallback_once()
+        # Host pids: bwrap (outside) -> bwrap as PID 1 (inside) -> holder.
+        self._init_pid = _only_child(self._proc.pid)
+        self._holder_pid = _only_child(self._init_pid)
+        root_fd = os.open(f"/proc/{self._holder_pid}/root", os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            self._ws_fd = os.open("workspace", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root_fd)
+        finally:
+            os.close(root_fd)
+        self._upper_fd = os.open(f"/proc/{self._holder_pid}/cwd", os.O_RDONLY | os.O_DIRECTORY)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            # Killing the namespace's PID 1 makes the kernel kill every process in it.
+            os.kill(self._init_pid, signal.SIGKILL)
+        except (ProcessLookupError, AttributeError):
+            pass
+        proc = getattr(self, "_proc", None)
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+            for pipe in (proc.stdin, proc.stdout, proc.stderr):
+                if pipe:
+                    pipe.close()
+        for fd in (getattr(self, "_ws_fd", None), getattr(self, "_upper_fd", None)):
+            if fd is not None:
+                os.close(fd)
+        self._release()
+        _live.discard(self)
+
+    def _release(self) -> None:
+        for layer in self._layers:
+            layer.release()
+        self._layers = []
+        if self._cgroup is not None:
+            self._cgroup.remove()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SandboxClosed("the sandbox is closed", hint="create a new sandbox or fork before closing")
+
+    # -- commands --------------------------------------------------------
+    def exec(self, cmd: Command, timeout: float | None = None, *, cwd: str | None = None,
+             env: dict[str, str] | None = None, stdin: bytes | None = None,
+             on_output: OutputCallback | None = None) -> ExecResult:
+        self._check_open()
+        cfg = self.config
+        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        if not argv:
+            raise SandboxError("empty command", hint="pass a shell string or a non-empty argv list")
+        if cwd is not None:
+            rel = workspace_relpath(cwd)
+            if rel:
+                argv = ["/bin/sh", "-c", 'cd -- "$0" || exit 125; exec "$@"', f"{WORKDIR}/{rel}", *argv]
+        full = [
+            "nsenter", "-t", str(self._holder_pid), "-U", "-m", "-n", "-p", "-i", "-u", "-C",
+            "--preserve-credentials", "-r", f"--wd=/proc/{self._holder_pid}/root{WORKDIR}",
+            "--",
+            "setpriv", "--no-new-privs", "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all",
+            "--",
+            "prlimit", f"--as={cfg.memory_mb * MiB}", f"--nproc={cfg.max_processes}",
+            f"--fsize={cfg.max_file_mb * MiB}", f"--nofile={cfg.max_open_files}",
+            f"--cpu={cfg.cpu_time_s}", "--",
+            *argv,
+        ]
+        if self._cgroup is not None:
+            full = self._cgroup.wrap(full)
+        run_env = {"PATH": SANDBOX_PATH, "HOME": "/tmp", "LANG": "C.UTF-8", "TERM": "dumb",
+                   "TMPDIR": "/tmp", **cfg.env, **(env or {})}
+        return run_process(full, env=run_env, cwd=None, timeout=timeout or cfg.timeout_s,
+                           output_limit=cfg.output_limit_bytes, stdin=stdin, on_output=on_output)
+
+    # -- files -----------------------------------------------------------
+    def read_bytes(self, path: str) -> bytes:
+        self._check_open()
+        rel = workspace_relpath(path)
+        try:
+            return fsutil.read_beneath(self._ws_fd, rel)
+        except FileNotFoundError:
+            raise SandboxPathError(f"no such file in the workspace: {rel!r}",
+                                   hint="list the directory to see what is there") from None
+        except OSError as exc:
+            # A symlink on the path: follow it inside the sandbox, never on the host.
+            res = self.exec(["cat", "--", f"{WORKDIR}/{rel}"])
+            if res.exit_code != 0:
+                raise SandboxPathError(f"cannot read {rel!r}: {exc.strerror}") from None
+            return res.stdout.encode("utf-8", errors="surrogateescape")
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        self._check_open()
+        rel = workspace_relpath(path)
+        if not rel:
+            raise SandboxPathError("cannot write to the workspace directory itself", hint="name a file")
+        try:
+            fsutil.write_beneath(self._ws_fd, rel, data)
+        except OSError as exc:
+            if exc.errno == 28:  # ENOSPC
+                raise SandboxLimitExceeded(
+                    f"writing {rel!r} exceeds the workspace cap of {self.config.disk_mb} MiB",
+                    hint="raise `disk_mb` or write less") from None
+            raise SandboxPathError(f"cannot write {rel!r}: {exc.strerror}",
+                                   hint="paths may not pass through symlinks or non-directories") from None
+
+    # -- diff and fork ---------------------------------------------------
+    def _changed_paths(self) -> set[str]:
+        snap_fd = os.open(self.snapshot, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            if self.mode == "copy":
+                return diffs.all_files(snap_fd) | diffs.all_files(self._ws_fd)
+            files, hidden = diffs.layer_changes(self._upper_fd)
+            for layer in self._layers:
+                with layer.open() as fd:
+                    more_files, more_hidden = diffs.layer_changes(fd)
+                files |= more_files
+                hidden |= more_hidden
+            return files | diffs.files_under(snap_fd, hidden)
+        finally:
+            os.close(snap_fd)
+
+    def diff(self) -> str:
+        self._check_open()
+        snap_fd = os.open(self.snapshot, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            return diffs.unified_diff(
+                self._changed_paths(),
+                old=lambda p: fsutil.entry_beneath(snap_fd, p),
+                new=lambda p: fsutil.entry_beneath(self._ws_fd, p),
+            )
+        finally:
+            os.close(snap_fd)
+
+    def fork(self) -> "BwrapSandbox":
+        """Freeze a copy of our upper layer (what changed: its cost does not
+        depend on the repository's size) and start a sandbox over it. In the
+        copy fallback the upper layer is the whole workspace."""
+        self._check_open()
+        frozen = Layer.copy_of(f"/proc/{self._holder_pid}/cwd")
+        try:
+            return BwrapSandbox(self.snapshot, self.config, _layers=[frozen, *self._layers])
+        finally:
+            frozen.release()  # the child holds its own reference
+
+
+def _only_child(pid: int) -> int:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        kids = f.read().split()
+    if len(kids) != 1:
+        raise SandboxError(f"sandbox process {pid} has {len(kids)} children, expected 1")
+    return int(kids[0])
+
+
+def _warn_fallback_once() -> None:
+    global _fallback_warned
+    if not _fallback_warned:
+        _fallback_warned = True
+        log.warning("overlayfs is not available inside user namespaces here: sandboxes copy "
+                    "the snapshot, so creating and forking cost time proportional to its size")
+
+
+def _warn_root_once() -> None:
+    global _root_warned
+    if not _root_warned:
+        _root_warned = True
+        log.warning("running as root without a writable pids cgroup: the kernel does not apply "
+                    "RLIMIT_NPROC to root, so `max_processes` is not enforced")
+
+
+def close_all() -> None:
+    """Close every live sandbox of this process (registered with atexit)."""
+    for sandbox in list(_live):
+        sandbox.close()
+atexit.register(close_all)

@@ -1,0 +1,113 @@
+"""Per-sandbox cgroups, used when atelier runs as root.
+
+Why only then: for an ordinary user, RLIMIT_NPROC counts the processes of the
+sandbox's own user namespace, so a fork bomb stops at `max_processes`. The
+kernel exempts uid 0 from that limit, so for root we put every process of a
+sandbox in a cgroup with `pids.max` (and `memory.max` / `memory.limit_in_bytes`
+where the memory controller is there). Without a writable hierarchy, root gets
+a warning that the process cap is not enforced.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import threading
+import time
+import uuid
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+ROOT = Path("/sys/fs/cgroup")
+
+
+def _own_path(controller: str) -> str:
+    """This process's cgroup path in the hierarchy of `controller` ("" = v2)."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if (controller == "" and controllers == "") or controller in controllers.split(","):
+            return path.lstrip("/")
+    return ""
+
+
+def _writable(d: Path) -> bool:
+    return d.is_dir() and os.access(d, os.W_OK)
+
+
+def _candidate_parents(controller: str) -> list[Path]:
+    """Cgroups of ours under which a child with `controller` can be made:
+    v2 when the controller is enabled for children, else a v1 hierarchy."""
+    out = []
+    v2 = ROOT / _own_path("")
+    subtree = v2 / "cgroup.subtree_control"
+    if (ROOT / "cgroup.controllers").exists() and subtree.exists() and controller in subtree.read_text().split():
+        out.append(v2)
+    if (ROOT / controller / "cgroup.procs").exists():
+        out.append(ROOT / controller / _own_path(controller))
+    return [p for p in out if _writable(p)]
+
+
+class SandboxCgroup:
+    """A cgroup in each available controller hierarchy; `wrap(argv)` returns an
+    argv that joins them and then execs `argv`."""
+
+    def __init__(self, max_processes: int, memory_bytes: int) -> None:
+        self.dirs: list[Path] = []
+        name = f"atelier-{uuid.uuid4().hex[:12]}"
+        for controller, files in (
+            ("pids", {"pids.max": str(max_processes)}),
+            ("memory", {"memory.max": str(memory_bytes), "memory.limit_in_bytes": str(memory_bytes)}),
+        ):
+            for parent in _candidate_parents(controller):
+                d = parent / name
+                try:
+                    d.mkdir(exist_ok=True)
+                    wrote = False
+                    for fname, value in files.items():
+                        if (d / fname).exists():
+                            (d / fname).write_text(value)
+                            wrote = True
+                    if wrote:
+                        self.dirs.append(d)
+                        break
+                    d.rmdir()
+                except OSError as exc:
+                    log.debug("cgroup %s unusable: %s", d, exc)
+        self.enforces_pids = any((d / "pids.max").exists() for d in self.dirs)
+
+    def wrap(self, argv: list[str]) -> list[str]:
+        if not self.dirs:
+            return argv
+        joins = "; ".join(f"echo $$ > {shlex.quote(str(d / 'cgroup.procs'))}" for d in self.dirs)
+        return ["/bin/sh", "-c", f'{joins}; exec "$@"', "atelier-cgroup", *argv]
+
+    def remove(self) -> None:
+        """Remove the cgroups; those whose last tasks are still being reaped
+        are removed by a background thread, so `close()` does not wait."""
+        busy = []
+        for d in self.dirs:
+            try:
+                d.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                busy.append(d)
+        self.dirs = []
+        if busy:
+            threading.Thread(target=_remove_when_empty, args=(busy,), daemon=True).start()
+
+
+def _remove_when_empty(dirs: list[Path], attempts: int = 500) -> None:
+    for d in dirs:
+        for _ in range(attempts):
+            try:
+                d.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.01)
+        else:
+            log.warning("cgroup %s still busy; left for the system to clean", d)

@@ -1,0 +1,122 @@
+"""File access beneath a root directory that never follows a symlink out of it.
+
+The host reads and writes sandbox files directly (no process start), through a
+directory that the sandbox controls. A model can plant symlinks there
+(`notes -> /home/me/.ssh`), so every path component is opened relative to its
+parent's descriptor with O_NOFOLLOW: a symlink anywhere on the path is an
+error, never a way out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+from dataclasses import dataclass
+from typing import Iterator
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What diffing needs to know about one path: kind, mode and content."""
+
+    kind: str  # "file" or "symlink"
+    executable: bool
+    data: bytes
+
+    @property
+    def git_mode(self) -> str:
+        if self.kind == "symlink":
+            return "120000"
+        return "100755" if self.executable else "100644"
+
+
+@contextlib.contextmanager
+def open_dir(root_fd: int, relpath: str, *, create: bool = False) -> Iterator[int]:
+    """Yield a descriptor of directory `relpath` beneath `root_fd`."""
+    fd = os.dup(root_fd)
+    try:
+        for part in [p for p in relpath.split("/") if p]:
+            try:
+                nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                os.mkdir(part, 0o755, dir_fd=fd)
+                nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _split(relpath: str) -> tuple[str, str]:
+    parent, _, name = relpath.rpartition("/")
+    return parent, name
+
+
+def read_beneath(root_fd: int, relpath: str) -> bytes:
+    parent, name = _split(relpath)
+    with open_dir(root_fd, parent) as dfd:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise IsADirectoryError(errno.EISDIR, "not a regular file", relpath)
+            return f.read()
+
+
+def write_beneath(root_fd: int, relpath: str, data: bytes, mode: int = 0o644) -> None:
+    parent, name = _split(relpath)
+    with open_dir(root_fd, parent, create=True) as dfd:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(name, flags, mode, dir_fd=dfd)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+
+
+def entry_beneath(root_fd: int, relpath: str) -> Entry | None:
+    """The file or symlink at `relpath`, or None if there is none (a directory
+    counts as none: diffs are about files)."""
+    parent, name = _split(relpath)
+    try:
+        with open_dir(root_fd, parent) as dfd:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                return Entry("symlink", False, os.fsencode(os.readlink(name, dir_fd=dfd)))
+            if not stat.S_ISREG(st.st_mode):
+                return None
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            with os.fdopen(fd, "rb") as f:
+                return Entry("file", bool(st.st_mode & 0o100), f.read())
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a parent component is a symlink
+            return None
+        raise
+
+
+def walk(root_fd: int, prefix: str = "") -> Iterator[tuple[str, os.DirEntry, int | None]]:
+    """Every entry beneath `root_fd` as (relative path, entry, directory fd or
+    None), parents before children, never following symlinks. A directory's fd
+    is valid only until the walk moves on."""
+    with os.scandir(root_fd) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for entry in entries:
+        rel = f"{prefix}{entry.name}"
+        if not entry.is_dir(follow_symlinks=False):
+            yield rel, entry, None
+            continue
+        try:
+            fd = os.open(entry.name, _DIR_FLAGS, dir_fd=root_fd)
+        except OSError:
+            continue
+        try:
+            yield rel, entry, fd
+            yield from walk(fd, rel + "/")
+        finally:
+            os.close(fd)

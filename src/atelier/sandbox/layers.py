@@ -1,0 +1,59 @@
+"""Frozen overlay layers that forked sandboxes share.
+
+A fork copies its parent's upper layer (only what changed) into a directory on
+the host; that copy becomes a read-only lower layer of the child and, through
+further forks, of its descendants. A layer is deleted when the last sandbox
+using it closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Iterator
+
+from atelier.sandbox.base import SandboxError
+from atelier.sandbox.hostfs import runtime_dir
+
+
+class Layer:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._refs = 1
+        self._lock = threading.Lock()
+
+    @classmethod
+    def copy_of(cls, source: str) -> "Layer":
+        dest = Path(tempfile.mkdtemp(prefix="layer-", dir=runtime_dir()))
+        # cp -a keeps what overlayfs needs: whiteouts (0:0 devices), opaque
+        # xattrs, modes and symlinks as symlinks.
+        res = subprocess.run(["cp", "-a", "--", f"{source}/.", str(dest)],
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            shutil.rmtree(dest, ignore_errors=True)
+            raise SandboxError(f"could not copy the sandbox's files for fork: {res.stderr.strip()}")
+        return cls(dest)
+
+    def acquire(self) -> None:
+        with self._lock:
+            self._refs += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._refs -= 1
+            done = self._refs == 0
+        if done:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def open(self) -> Iterator[int]:
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
