@@ -16,7 +16,7 @@ import selectors
 import signal
 import subprocess
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 from atelier.sandbox.base import ExecResult, OutputCallback
 
@@ -60,7 +60,10 @@ def run_process(
     output_limit: int,
     stdin: bytes | None = None,
     on_output: OutputCallback | None = None,
+    on_start: Callable[[int], None] | None = None,
 ) -> ExecResult:
+    """Run `argv`; `on_start` receives the pid (= process group id) once it
+    runs, for owners that must kill leftovers later."""
     start = time.monotonic()
     proc = subprocess.Popen(
         list(argv),
@@ -71,6 +74,8 @@ def run_process(
         cwd=cwd,
         start_new_session=True,
     )
+    if on_start is not None:
+        on_start(proc.pid)
     captures = {"stdout": _Capture(output_limit), "stderr": _Capture(output_limit)}
     sel = selectors.DefaultSelector()
     assert proc.stdout is not None and proc.stderr is not None

@@ -1,0 +1,84 @@
+"""`atelier sandbox …`: run a command in a fresh sandbox; benchmark sandboxes.
+
+Heavy modules are imported inside the commands so `atelier --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+sandbox_app = typer.Typer(help="Isolated coding environments.", no_args_is_help=True)
+
+
+@sandbox_app.command(
+    "run",
+    context_settings={"allow_interspersed_args": False},
+)
+def run(
+    command: List[str] = typer.Argument(..., help="The command and its arguments (after --)."),
+    workspace: Path = typer.Option(..., "--workspace", "-w", help="Directory to run over; never changed."),
+    timeout: float = typer.Option(60.0, "--timeout", help="Wall-clock limit in seconds (exit 124 past it)."),
+    memory_mb: int = typer.Option(2048, "--memory-mb", help="Address-space limit per process."),
+    network: str = typer.Option("none", "--network", help="none (sealed, default) or host (explicit)."),
+    backend: str = typer.Option("bwrap", "--backend", help="bwrap (isolated) or local (isolates nothing)."),
+    show_diff: bool = typer.Option(False, "--diff", help="Print the workspace diff afterwards."),
+) -> None:
+    """Run one command in a fresh sandbox over DIR, streaming its output, and
+    exit with its exit code. Example: atelier sandbox run -w . -- pytest -q"""
+    from atelier.sandbox import SandboxConfig, create_sandbox
+    from atelier.config import load_config
+
+    config = load_config(SandboxConfig, None, [f"timeout_s={timeout}", f"memory_mb={memory_mb}",
+                                               f"network={network}", f"backend={backend}"])
+
+    def stream(name: str, chunk: bytes) -> None:
+        out = sys.stdout if name == "stdout" else sys.stderr
+        out.buffer.write(chunk)
+        out.flush()
+
+    with create_sandbox(workspace, config) as sb:
+        result = sb.exec(list(command), on_output=stream)
+        if result.timed_out:
+            print(f"\natelier: command timed out after {timeout:g} s", file=sys.stderr)
+        if result.truncated:
+            print("\natelier: output was longer than the capture limit; the stream above is whole",
+                  file=sys.stderr)
+        if show_diff:
+            sys.stdout.write(sb.diff())
+    raise typer.Exit(result.exit_code)
+
+
+@sandbox_app.command("bench")
+def bench(
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object only."),
+    quick: bool = typer.Option(False, "--quick", help="Fewer repetitions (a smoke run)."),
+) -> None:
+    """Measure sandbox create, exec, fork, rate and density against a plain
+    copy (and Docker where a daemon answers)."""
+    from atelier.sandbox import bench as sandbox_bench
+
+    if as_json:
+        result = sandbox_bench.run(quick=quick)
+        print(json.dumps(result))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    with console.status("benchmarking sandboxes") as status:
+        result = sandbox_bench.run(quick=quick, progress=lambda m: status.update(f"benchmarking: {m}"))
+    table = Table(title="atelier sandbox benchmark")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for key, value in result.items():
+        if key != "targets_met":
+            table.add_row(key, str(value))
+    console.print(table)
+    for target, met in result["targets_met"].items():
+        mark = "[green]met[/]" if met else ("[dim]n/a[/]" if met is None else "[red]missed[/]")
+        console.print(f"  {target}: {mark}")
