@@ -1,0 +1,1 @@
+"""The `atelier` command line. Kept import-free so `atelier --help` stays fast."""
