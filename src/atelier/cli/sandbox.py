@@ -5,12 +5,23 @@ Heavy modules are imported inside the commands so `atelier --help` stays fast.
 
 from __future__ import annotations
 
+import enum
 import json
 import sys
 from pathlib import Path
 from typing import List, Optional
 
 import typer
+
+class Network(str, enum.Enum):
+    none = "none"
+    host = "host"
+
+
+class Backend(str, enum.Enum):
+    bwrap = "bwrap"
+    local = "local"
+
 
 sandbox_app = typer.Typer(help="Isolated coding environments.", no_args_is_help=True)
 
@@ -24,8 +35,8 @@ def run(
     workspace: Path = typer.Option(..., "--workspace", "-w", help="Directory to run over; never changed."),
     timeout: float = typer.Option(60.0, "--timeout", help="Wall-clock limit in seconds (exit 124 past it)."),
     memory_mb: int = typer.Option(2048, "--memory-mb", help="Address-space limit per process."),
-    network: str = typer.Option("none", "--network", help="none (sealed, default) or host (explicit)."),
-    backend: str = typer.Option("bwrap", "--backend", help="bwrap (isolated) or local (isolates nothing)."),
+    network: Network = typer.Option(Network.none, "--network", help="none (sealed) or host (explicit)."),
+    backend: Backend = typer.Option(Backend.bwrap, "--backend", help="bwrap (isolated) or local (isolates nothing)."),
     show_diff: bool = typer.Option(False, "--diff", help="Print the workspace diff afterwards."),
 ) -> None:
     """Run one command in a fresh sandbox over DIR, streaming its output, and
@@ -34,7 +45,7 @@ def run(
     from atelier.config import load_config
 
     config = load_config(SandboxConfig, None, [f"timeout_s={timeout}", f"memory_mb={memory_mb}",
-                                               f"network={network}", f"backend={backend}"])
+                                               f"network={network.value}", f"backend={backend.value}"])
 
     def stream(name: str, chunk: bytes) -> None:
         out = sys.stdout if name == "stdout" else sys.stderr
