@@ -89,7 +89,7 @@ REQUIRED_TOOLS = ("bwrap", "nsenter", "setpriv", "prlimit")
 
 # The sandbox's first process: mount the overlay (or fall back to a copy),
 # keep the upper layer as its working directory so the host can reach it
-# through /proc/PID/cwd, hide the layers from commands, then wait on stdin:
+# through /proc/PID/cwd, then wait on stdin:
 # when the host closes the pipe or dies, it exits and the kernel ends the
 # whole PID namespace.
 HOLDER_SCRIPT = r"""
@@ -102,7 +102,6 @@ else
   mode=copy
 fi
 cd "$rw/upper" || exit 96
-mount -t tmpfs -o ro,size=4k,mode=000 none /.atelier || exit 95
 echo "ready $mode"
 exec cat
 """
@@ -164,6 +163,9 @@ class BwrapSandbox(Sandbox):
             argv.append("--unshare-net")
         argv += system_bind_args()
         argv += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/tmp", "--dir", WORKDIR]
+        # Mode 000 on a read-only root: commands (no capabilities) cannot enter
+        # the layers' directory or change its mode; only the holder can.
+        argv += ["--perms", "0000", "--dir", "/.atelier"]
         lowers = []
         for i, path in enumerate([*(layer.path for layer in self._layers), self.snapshot]):
             argv += ["--ro-bind", str(path), f"/.atelier/lower{i}"]
