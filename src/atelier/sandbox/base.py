@@ -54,6 +54,12 @@ class SandboxConfig(BaseModel):
     network: Literal["none", "host"] = "none"
     """`none`: a network namespace with only its own loopback. `host`: the host's
     network, explicitly and loudly."""
+    workspace: Literal["overlay", "copy"] = "overlay"
+    """`overlay`: copy-on-write over the snapshot (creation and fork cost the
+    same at any repository size); falls back to `copy` where the kernel refuses
+    it or the snapshot belongs to another user or group (an overlay cannot
+    copy such files up in a user namespace). `copy`: the snapshot is copied
+    into the sandbox, costing time proportional to its size."""
     ro_mounts: list[str] = Field(default_factory=list)
     """Extra read-only mounts, `SRC` (same path inside) or `SRC:DEST`; e.g. a
     prepared dependency environment."""

@@ -45,7 +45,10 @@ Not isolated:
 Fallback: where the kernel refuses an overlay mount inside a user namespace
 (Linux < 5.11, or a filesystem without user xattrs), the workspace is a copy
 of the snapshot in the sandbox's tmpfs. Creation, fork and diff then cost time
-proportional to the repository's size, and a warning says so once.
+proportional to the repository's size, and a warning says so once. The same
+copy is used when the snapshot belongs to another user or group: inside a user
+namespace only your own ids are mapped, and an overlay cannot copy up a file
+whose owner is unmapped (EOVERFLOW).
 """
 
 from __future__ import annotations
@@ -94,10 +97,10 @@ REQUIRED_TOOLS = ("bwrap", "nsenter", "setpriv", "prlimit")
 # whole PID namespace.
 HOLDER_SCRIPT = r"""
 rw=/.atelier/rw
-if mount -t overlay overlay -o "lowerdir=$1,upperdir=$rw/upper,workdir=$rw/work,userxattr" /workspace 2>$rw/mount.err; then
+if [ "$2" = overlay ] && mount -t overlay overlay -o "lowerdir=$1,upperdir=$rw/upper,workdir=$rw/work,userxattr" /workspace 2>$rw/mount.err; then
   mode=overlay
 else
-  cp -a "${1%%:*}/." "$rw/upper/" || exit 97
+  cp -a --no-preserve=ownership "${1%%:*}/." "$rw/upper/" || exit 97
   mount --bind "$rw/upper" /workspace || exit 98
   mode=copy
 fi
@@ -157,7 +160,10 @@ class BwrapSandbox(Sandbox):
         cfg = self.config
         size = str(cfg.disk_mb * MiB)
         argv = ["bwrap", "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
-                "--unshare-cgroup-try", "--uid", "0", "--gid", "0", "--cap-add", "CAP_SYS_ADMIN",
+                "--unshare-cgroup-try", "--uid", "0", "--gid", "0",
+                # For the holder only (mounting the overlay, entering /.atelier);
+                # every exec drops all capabilities.
+                "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_DAC_OVERRIDE",
                 "--hostname", "sandbox", "--new-session", "--clearenv", "--setenv", "PATH", SANDBOX_PATH]
         if cfg.network == "none":
             argv.append("--unshare-net")
@@ -176,10 +182,22 @@ class BwrapSandbox(Sandbox):
             src, _, dest = spec.partition(":")
             argv += ["--ro-bind", src, dest or src]
         argv += ["--remount-ro", "/", "--chdir", "/",
-                 "/bin/sh", "-c", HOLDER_SCRIPT, "atelier-holder", ":".join(lowers)]
+                 "/bin/sh", "-c", HOLDER_SCRIPT, "atelier-holder", ":".join(lowers), self._requested_mode]
         return self._cgroup.wrap(argv) if self._cgroup else argv
 
+    def _workspace_mode(self) -> str:
+        if self.config.workspace == "copy":
+            return "copy"
+        st = self.snapshot.stat()
+        if (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
+            log.warning("snapshot %s belongs to another user or group: its files could not be "
+                        "changed through an overlay here, so the sandbox copies it (cost grows "
+                        "with its size)", self.snapshot)
+            return "copy"
+        return "overlay"
+
     def _start(self) -> None:
+        self._requested_mode = self._workspace_mode()
         for spec in self.config.ro_mounts:
             if not os.path.exists(spec.partition(":")[0]):
                 raise SandboxError(f"read-only mount source {spec.partition(':')[0]!r} does not exist",
@@ -201,7 +219,7 @@ class BwrapSandbox(Sandbox):
                 "kernel.apparmor_restrict_unprivileged_userns=0), or use the `local` backend",
             )
         self.mode = line[1]
-        if self.mode == "copy":
+        if self.mode == "copy" and self._requested_mode == "overlay":
             _warn_fallback_once()
         # Host pids: bwrap (outside) -> bwrap as PID 1 (inside) -> holder.
         self._init_pid = _only_child(self._proc.pid)
