@@ -24,6 +24,9 @@ Isolated:
   included.
 - Privileges. Commands run with no capabilities and `no_new_privs`; inside,
   uid 0 maps to the invoking user, so nothing gains rights over host files.
+  When that user is root, commands are host uid 0 without capabilities, which
+  the kernel's owner checks still favour: `/proc/sys` is therefore bound
+  read-only, but an unprivileged account is the safer place to run.
 - Environment. Commands get an explicit environment (PATH, HOME=/tmp,
   LANG, plus `env`); no host variable leaks in.
 - Resources. Per process: address space (`memory_mb`), file size, open files
@@ -54,6 +57,7 @@ whose owner is unmapped (EOVERFLOW).
 from __future__ import annotations
 
 import atexit
+import errno
 import logging
 import os
 import shutil
@@ -169,6 +173,11 @@ class BwrapSandbox(Sandbox):
             argv.append("--unshare-net")
         argv += system_bind_args()
         argv += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/tmp", "--dir", WORKDIR]
+        # bwrap covers /proc/sys only when the directory is writable, which it
+        # never is; its files are writable by host uid 0, and when atelier runs
+        # as root the sandbox's uid 0 is host uid 0 (kernel.core_pattern would
+        # run a program of its choice as root on the host).
+        argv += ["--ro-bind", "/proc/sys", "/proc/sys"]
         # Mode 000 on a read-only root: commands (no capabilities) cannot enter
         # the layers' directory or change its mode; only the holder can.
         argv += ["--perms", "0000", "--dir", "/.atelier"]
@@ -274,6 +283,12 @@ class BwrapSandbox(Sandbox):
              env: dict[str, str] | None = None, stdin: bytes | None = None,
              on_output: OutputCallback | None = None) -> ExecResult:
         self._check_open()
+        if self._proc.poll() is not None:
+            # A command killed the holder (`kill -9 -1`, `pkill cat`): its host
+            # pid may now belong to another process, whose namespaces nsenter
+            # would enter.
+            raise SandboxClosed("the sandbox has died: a command killed its processes",
+                                hint="close it and create a new sandbox; its files can still be read")
         cfg = self.config
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         if not argv:
@@ -310,11 +325,21 @@ class BwrapSandbox(Sandbox):
             raise SandboxPathError(f"no such file in the workspace: {rel!r}",
                                    hint="list the directory to see what is there") from None
         except OSError as exc:
-            # A symlink on the path: follow it inside the sandbox, never on the host.
-            res = self.exec(["cat", "--", f"{WORKDIR}/{rel}"])
-            if res.exit_code != 0:
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
                 raise SandboxPathError(f"cannot read {rel!r}: {exc.strerror}") from None
-            return res.stdout.encode("utf-8", errors="surrogateescape")
+            # A symlink on the path: resolve it inside the sandbox, never on the
+            # host, then read the target without following links; it must be a
+            # regular file in the workspace. (Reading through `cat` would block
+            # on a FIFO and mangle binary or large files.)
+            res = self.exec(["realpath", "-e", "--", f"{WORKDIR}/{rel}"], timeout=10)
+            target = res.stdout.rstrip("\n")
+            if res.exit_code != 0 or not target.startswith(WORKDIR + "/"):
+                raise SandboxPathError(f"cannot read {rel!r}: no such file in the workspace "
+                                       "(symlinks are resolved inside the sandbox)") from None
+            try:
+                return fsutil.read_beneath(self._ws_fd, workspace_relpath(target))
+            except OSError as exc2:
+                raise SandboxPathError(f"cannot read {rel!r}: {exc2.strerror}") from None
 
     def write_bytes(self, path: str, data: bytes) -> None:
         self._check_open()
@@ -364,7 +389,8 @@ class BwrapSandbox(Sandbox):
         depend on the repository's size) and start a sandbox over it. In the
         copy fallback the upper layer is the whole workspace."""
         self._check_open()
-        frozen = Layer.copy_of(f"/proc/{self._holder_pid}/cwd")
+        # Through our descriptor, not the holder's pid, which may be reused.
+        frozen = Layer.copy_of(f"/proc/{os.getpid()}/fd/{self._upper_fd}")
         try:
             return BwrapSandbox(self.snapshot, self.config, _layers=[frozen, *self._layers])
         finally:

@@ -118,6 +118,10 @@ def file_diff(path: str, old: Entry | None, new: Entry | None) -> bytes:
     """The diff of one path; empty when nothing changed."""
     if old == new or (old is None and new is None):
         return b""
+    if old is not None and new is not None and old.kind != new.kind:
+        # A file that became a symlink or back: git writes (and `git apply`
+        # only accepts) a deletion followed by a creation.
+        return file_diff(path, old, None) + file_diff(path, None, new)
     q = _quote
     out = [f"diff --git {q('a/' + path)} {q('b/' + path)}\n".encode()]
     old_data = old.data if old else b""

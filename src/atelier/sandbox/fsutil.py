@@ -62,7 +62,8 @@ def _split(relpath: str) -> tuple[str, str]:
 def read_beneath(root_fd: int, relpath: str) -> bytes:
     parent, name = _split(relpath)
     with open_dir(root_fd, parent) as dfd:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        # O_NONBLOCK: opening a FIFO the sandbox planted must not block the host.
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
         with os.fdopen(fd, "rb") as f:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
                 raise IsADirectoryError(errno.EISDIR, "not a regular file", relpath)
@@ -72,9 +73,11 @@ def read_beneath(root_fd: int, relpath: str) -> bytes:
 def write_beneath(root_fd: int, relpath: str, data: bytes, mode: int = 0o644) -> None:
     parent, name = _split(relpath)
     with open_dir(root_fd, parent, create=True) as dfd:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
         fd = os.open(name, flags, mode, dir_fd=dfd)
         with os.fdopen(fd, "wb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise IsADirectoryError(errno.EISDIR, "not a regular file", relpath)
             f.write(data)
 
 
@@ -89,8 +92,10 @@ def entry_beneath(root_fd: int, relpath: str) -> Entry | None:
                 return Entry("symlink", False, os.fsencode(os.readlink(name, dir_fd=dfd)))
             if not stat.S_ISREG(st.st_mode):
                 return None
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
             with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    return None
                 return Entry("file", bool(st.st_mode & 0o100), f.read())
     except (FileNotFoundError, NotADirectoryError):
         return None

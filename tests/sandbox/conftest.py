@@ -1,0 +1,217 @@
+"""Fixtures for the bubblewrap sandbox tests: a small snapshot tree, sandboxes
+that are always closed, and host-side views of a sandbox (its processes, a
+tree's exact state) so that tests can check on the host what happened."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import stat
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+from atelier.sandbox.base import SandboxConfig, SandboxUnavailable
+
+HostProc = tuple[int, int]
+"""A host process as (pid, start time in clock ticks): a pid alone may be reused."""
+
+
+@pytest.fixture(scope="session")
+def bwrap_ready() -> None:
+    """Skip when this machine cannot run bubblewrap sandboxes, saying why."""
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap (`bwrap`) is not on PATH")
+    from atelier.sandbox.bwrap import BwrapSandbox, check_available
+
+    try:
+        check_available()
+        with tempfile.TemporaryDirectory() as empty:
+            BwrapSandbox(empty, SandboxConfig(timeout_s=5)).close()
+    except SandboxUnavailable as exc:
+        pytest.skip(f"bubblewrap sandboxes cannot run here: {exc}")
+
+
+def write_tree(root: Path, files: dict[str, bytes | str]) -> Path:
+    """Create `files` under `root`; a value starting with "->" makes a symlink,
+    a path ending in "*" an executable file."""
+    for rel, content in files.items():
+        executable = rel.endswith("*")
+        path = root / rel.rstrip("*")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, str) and content.startswith("->"):
+            path.symlink_to(content[2:])
+            continue
+        path.write_bytes(content.encode() if isinstance(content, str) else content)
+        if executable:
+            path.chmod(0o755)
+    return root
+
+
+SNAPSHOT_FILES: dict[str, bytes | str] = {
+    "README.md": "# demo\n\nA small project.\n",
+    "src/app.py": "def main():\n    return 1\n\n\nif __name__ == '__main__':\n    main()\n",
+    "pkg/__init__.py": "",
+    "pkg/mod.py": "VALUE = 1\n",
+    "pkg/sub/deep.txt": "deep\n",
+    "data.bin": bytes(range(256)) * 4,
+    "run.sh*": "#!/bin/sh\necho run\n",
+    "readme-link": "->README.md",
+}
+
+
+@pytest.fixture
+def snapshot(tmp_path: Path) -> Path:
+    """A small repository checkout: text, binary, executable, symlink, nested dirs."""
+    return write_tree(tmp_path / "snapshot", SNAPSHOT_FILES)
+
+
+class Sandboxes:
+    """Creates bubblewrap sandboxes and closes every one at the end of the test
+    (forks too, once passed to `track`)."""
+
+    def __init__(self) -> None:
+        self.open: list = []
+
+    def __call__(self, snapshot: Path, **config: object):
+        from atelier.sandbox.bwrap import BwrapSandbox
+
+        config.setdefault("timeout_s", 10)
+        return self.track(BwrapSandbox(snapshot, SandboxConfig(**config)))
+
+    def track(self, sandbox):
+        self.open.append(sandbox)
+        return sandbox
+
+    def close_all(self) -> None:
+        for sandbox in reversed(self.open):
+            sandbox.close()
+
+
+@pytest.fixture
+def make_sandbox(bwrap_ready: None) -> Iterator[Sandboxes]:
+    sandboxes = Sandboxes()
+    try:
+        yield sandboxes
+    finally:
+        sandboxes.close_all()
+
+
+@pytest.fixture
+def sandbox(make_sandbox: Sandboxes, snapshot: Path):
+    return make_sandbox(snapshot)
+
+
+# -- host-side views -----------------------------------------------------------
+
+def tree_digest(root: Path) -> dict[str, tuple]:
+    """Everything observable about a tree, seen from the host: each entry's
+    type, mode, size, mtime, content hash or link target."""
+    out: dict[str, tuple] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [*dirnames, *filenames]:
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                what = os.readlink(path)
+            elif stat.S_ISREG(st.st_mode):
+                what = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+            else:
+                what = ""
+            out[os.path.relpath(path, root)] = (st.st_mode, st.st_size, st.st_mtime_ns, what)
+    st = os.lstat(root)
+    out["."] = (st.st_mode, st.st_mtime_ns)
+    return out
+
+
+def _start_time(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+        return None
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+        return None
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
+def sandbox_host_procs(sb) -> set[HostProc]:
+    """Every host process of a live sandbox: those in its PID namespace and
+    all descendants of its init (which covers nested namespaces)."""
+    ns = os.readlink(f"/proc/{sb._holder_pid}/ns/pid")
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    parents = {p: _parent(p) for p in pids}
+    found: set[int] = set()
+    for pid in pids:
+        try:
+            if os.readlink(f"/proc/{pid}/ns/pid") == ns:
+                found.add(pid)
+                continue
+        except OSError:
+            continue
+        p = parents.get(pid)
+        while p not in (None, 0, 1):
+            if p == sb._init_pid:
+                found.add(pid)
+                break
+            p = parents.get(p)
+    return {(pid, t) for pid in found if (t := _start_time(pid)) is not None}
+
+
+def alive(procs: set[HostProc]) -> set[HostProc]:
+    """The processes of `procs` that still exist and are not zombies."""
+    out = set()
+    for pid, start in procs:
+        if _start_time(pid) != start:
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            continue
+        if state not in ("Z", "X"):
+            out.add((pid, start))
+    return out
+
+
+def wait_until(pred: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        if pred():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+
+
+class Host:
+    """The helpers above, for tests (a fixture, so no test imports conftest)."""
+
+    write_tree = staticmethod(write_tree)
+    tree_digest = staticmethod(tree_digest)
+    sandbox_procs = staticmethod(sandbox_host_procs)
+    alive = staticmethod(alive)
+    cmdline = staticmethod(cmdline)
+    wait_until = staticmethod(wait_until)
+
+
+@pytest.fixture
+def host() -> type[Host]:
+    return Host
