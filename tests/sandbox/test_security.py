@@ -142,6 +142,19 @@ def test_host_secrets_are_unreadable(sandbox, host_dir) -> None:
     assert home_secret.name not in results[-1].stdout
 
 
+def test_private_keys_of_the_host_are_not_bound(sandbox) -> None:
+    # Certificates are bound so TLS tooling works; the private keys beside them never are.
+    res = sandbox.exec("ls /etc/ssl/private /etc/pki/tls/private /etc/ssh 2>&1; ls /etc/ssl")
+    assert "No such file" in res.stdout
+    assert res.stdout.strip().splitlines()[-1] == "certs" or "certs" in res.stdout
+    for host_private in ("/etc/ssl/private", "/etc/ssh"):
+        if os.path.isdir(host_private):
+            names = os.listdir(host_private)
+            if names:
+                probe = sandbox.exec(f"ls {host_private}/{names[0]}")
+                assert probe.exit_code != 0
+
+
 def test_host_environment_is_invisible(make_sandbox, snapshot, monkeypatch) -> None:
     value = f"host-env-{uuid.uuid4().hex}"
     monkeypatch.setenv("ATELIER_HOST_SECRET", value)

@@ -25,8 +25,17 @@ from atelier.sandbox.base import (
 __all__ = [
     "WORKDIR", "ExecResult", "Sandbox", "SandboxClosed", "SandboxConfig", "SandboxError",
     "SandboxLimitExceeded", "SandboxPathError", "SandboxUnavailable", "SnapshotMissing",
-    "create_sandbox",
+    "create_sandbox", "SandboxPool", "PoolExhausted",
 ]
+
+
+def __getattr__(name: str):
+    # Pools are imported on first use: most callers only need create_sandbox.
+    if name in ("SandboxPool", "PoolExhausted"):
+        from atelier.sandbox import pool
+
+        return getattr(pool, name)
+    raise AttributeError(f"module 'atelier.sandbox' has no attribute {name!r}")
 
 
 def create_sandbox(snapshot: str | os.PathLike, config: SandboxConfig | None = None) -> Sandbox:

@@ -3,7 +3,8 @@
 Only what programs need to run is bound, read-only: `/usr` and the top-level
 links or directories into it, and a short list of `/etc` entries (the loader
 cache, certificates, time zone …). `/etc/passwd`, `/etc/group` and
-`/etc/hosts` are generated, so no host account names leak in. Home
+`/etc/hosts` are generated, so no host account names leak in. Of the TLS
+directories only the public certificates are bound, never `private/` keys. Home
 directories, `/tmp`, `/root`, `/var`, `/run`, `/mnt`, `/media`, `/srv` and
 `/opt` are never bound.
 """
@@ -22,7 +23,7 @@ ETC_ENTRIES = (
     "alternatives", "ca-certificates", "ca-certificates.conf", "debian_version",
     "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "magic",
     "magic.mime", "mime.types", "nsswitch.conf", "os-release", "protocols",
-    "python3", "services", "ssl", "pki", "crypto-policies", "timezone",
+    "python3", "services", "ssl/certs", "pki/tls/certs", "pki/ca-trust", "crypto-policies", "timezone",
     "inputrc", "bash.bashrc", "gai.conf", "host.conf", "terminfo",
 )
 
