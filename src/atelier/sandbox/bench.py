@@ -164,7 +164,7 @@ def run(quick: bool = False, progress: Progress = lambda msg: None) -> dict:
         progress("docker baseline")
         docker = _docker_p50_ms(5)
         progress("sustained rate")
-        workers = os.cpu_count() or 2
+        workers = 2 * (os.cpu_count() or 1)  # creation waits on the kernel as much as it computes
         rate = _rate(small, config, 2.0 if quick else 5.0, workers)
         progress("idle sandboxes held at once")
         max_live = _max_live(small, config, 100 if quick else 1000, progress)

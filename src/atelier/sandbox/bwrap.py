@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import functools
 import logging
 import os
 import shutil
@@ -199,9 +200,7 @@ class BwrapSandbox(Sandbox):
             return "copy"
         st = self.snapshot.stat()
         if (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
-            log.warning("snapshot %s belongs to another user or group: its files could not be "
-                        "changed through an overlay here, so the sandbox copies it (cost grows "
-                        "with its size)", self.snapshot)
+            _warn_foreign_snapshot_once(str(self.snapshot))
             return "copy"
         return "overlay"
 
@@ -403,6 +402,12 @@ def _only_child(pid: int) -> int:
     if len(kids) != 1:
         raise SandboxError(f"sandbox process {pid} has {len(kids)} children, expected 1")
     return int(kids[0])
+
+
+@functools.lru_cache(maxsize=256)
+def _warn_foreign_snapshot_once(snapshot: str) -> None:
+    log.warning("snapshot %s belongs to another user or group: its files could not be changed "
+                "through an overlay here, so sandboxes copy it (cost grows with its size)", snapshot)
 
 
 def _warn_fallback_once() -> None:
