@@ -97,9 +97,9 @@ REQUIRED_TOOLS = ("bwrap", "nsenter", "setpriv", "prlimit")
 
 # The sandbox's first process: mount the overlay (or fall back to a copy),
 # keep the upper layer as its working directory so the host can reach it
-# through /proc/PID/cwd, then wait on stdin:
-# when the host closes the pipe or dies, it exits and the kernel ends the
-# whole PID namespace.
+# through /proc/PID/cwd, then wait on stdin with the shell's own `read` (no
+# extra program to start): when the host closes the pipe or dies, it exits and
+# the kernel ends the whole PID namespace.
 HOLDER_SCRIPT = r"""
 rw=/.atelier/rw
 if [ "$2" = overlay ] && mount -t overlay overlay -o "lowerdir=$1,upperdir=$rw/upper,workdir=$rw/work,userxattr" /workspace 2>$rw/mount.err; then
@@ -111,7 +111,7 @@ else
 fi
 cd "$rw/upper" || exit 96
 echo "ready $mode"
-exec cat
+read -r _ || true
 """
 
 _fallback_warned = False
