@@ -9,7 +9,7 @@ import enum
 import json
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import List
 
 import typer
 

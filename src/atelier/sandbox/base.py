@@ -203,3 +203,11 @@ def workspace_relpath(path: str) -> str:
             continue
         parts.append(part)
     return "/".join(parts)
+
+
+def command_argv(cmd: Command) -> list[str]:
+    """The argv that runs `cmd`: a string through `/bin/sh -c`, a list as is."""
+    argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+    if not argv:
+        raise SandboxError("empty command", hint="pass a shell string or a non-empty argv list")
+    return argv

@@ -84,10 +84,11 @@ from atelier.sandbox.base import (
     SandboxPathError,
     SandboxUnavailable,
     SnapshotMissing,
+    command_argv,
     workspace_relpath,
 )
 from atelier.sandbox.cgroups import SandboxCgroup
-from atelier.sandbox.hostfs import SANDBOX_PATH, runtime_dir, system_bind_args
+from atelier.sandbox.hostfs import SANDBOX_PATH, system_bind_args
 from atelier.sandbox.layers import Layer
 from atelier.sandbox.process import run_process
 
@@ -114,8 +115,6 @@ echo "ready $mode"
 read -r _ || true
 """
 
-_fallback_warned = False
-_root_warned = False
 _live: "weakref.WeakSet[BwrapSandbox]" = weakref.WeakSet()
 
 
@@ -152,7 +151,8 @@ class BwrapSandbox(Sandbox):
         self._cgroup = SandboxCgroup(self.config.max_processes, self.config.memory_mb * MiB) \
             if os.geteuid() == 0 else None
         if self._cgroup is not None and not self._cgroup.enforces_pids:
-            _warn_root_once()
+            _warn_once("running as root without a writable pids cgroup: the kernel does not "
+                       "apply RLIMIT_NPROC to root, so `max_processes` is not enforced")
         try:
             self._start()
         except BaseException:
@@ -200,7 +200,9 @@ class BwrapSandbox(Sandbox):
             return "copy"
         st = self.snapshot.stat()
         if (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
-            _warn_foreign_snapshot_once(str(self.snapshot))
+            _warn_once(f"snapshot {self.snapshot} belongs to another user or group: its files "
+                       "could not be changed through an overlay here, so sandboxes copy it "
+                       "(cost grows with its size)")
             return "copy"
         return "overlay"
 
@@ -228,7 +230,8 @@ class BwrapSandbox(Sandbox):
             )
         self.mode = line[1]
         if self.mode == "copy" and self._requested_mode == "overlay":
-            _warn_fallback_once()
+            _warn_once("overlayfs is not available inside user namespaces here: sandboxes copy "
+                       "the snapshot, so creating and forking cost time proportional to its size")
         # Host pids: bwrap (outside) -> bwrap as PID 1 (inside) -> holder.
         self._init_pid = _only_child(self._proc.pid)
         self._holder_pid = _only_child(self._init_pid)
@@ -289,9 +292,7 @@ class BwrapSandbox(Sandbox):
             raise SandboxClosed("the sandbox has died: a command killed its processes",
                                 hint="close it and create a new sandbox; its files can still be read")
         cfg = self.config
-        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        if not argv:
-            raise SandboxError("empty command", hint="pass a shell string or a non-empty argv list")
+        argv = command_argv(cmd)
         if cwd is not None:
             rel = workspace_relpath(cwd)
             if rel:
@@ -405,25 +406,8 @@ def _only_child(pid: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _warn_foreign_snapshot_once(snapshot: str) -> None:
-    log.warning("snapshot %s belongs to another user or group: its files could not be changed "
-                "through an overlay here, so sandboxes copy it (cost grows with its size)", snapshot)
-
-
-def _warn_fallback_once() -> None:
-    global _fallback_warned
-    if not _fallback_warned:
-        _fallback_warned = True
-        log.warning("overlayfs is not available inside user namespaces here: sandboxes copy "
-                    "the snapshot, so creating and forking cost time proportional to its size")
-
-
-def _warn_root_once() -> None:
-    global _root_warned
-    if not _root_warned:
-        _root_warned = True
-        log.warning("running as root without a writable pids cgroup: the kernel does not apply "
-                    "RLIMIT_NPROC to root, so `max_processes` is not enforced")
+def _warn_once(message: str) -> None:
+    log.warning(message)
 
 
 def close_all() -> None:

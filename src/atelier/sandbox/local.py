@@ -31,9 +31,9 @@ from atelier.sandbox.base import (
     Sandbox,
     SandboxClosed,
     SandboxConfig,
-    SandboxError,
     SandboxPathError,
     SnapshotMissing,
+    command_argv,
     workspace_relpath,
 )
 from atelier.sandbox.hostfs import SANDBOX_PATH, runtime_dir
@@ -72,9 +72,7 @@ class LocalSandbox(Sandbox):
              on_output: OutputCallback | None = None) -> ExecResult:
         self._check_open()
         cfg = self.config
-        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        if not argv:
-            raise SandboxError("empty command", hint="pass a shell string or a non-empty argv list")
+        argv = command_argv(cmd)
         if shutil.which("prlimit"):
             argv = ["prlimit", f"--as={cfg.memory_mb * MiB}", f"--fsize={cfg.max_file_mb * MiB}",
                     f"--nofile={cfg.max_open_files}", f"--cpu={cfg.cpu_time_s}", "--", *argv]
