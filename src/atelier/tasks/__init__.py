@@ -1,0 +1,18 @@
+"""Tasks: the format, loading with clear errors, dependency environments and
+honest grading.
+
+- `schema`: `Task` and what `task.toml` may hold.
+- `loader`: `load_task(dir)`, `load_suite(dir)`; every problem a `TaskError`.
+- `envs`: `ensure_env(task)`, one shared read-only venv per Python+requirements.
+- `junit`: JUnit XML → `{node id: status}` (pure).
+- `grade`: `grade(task, patch | sandbox) -> GradeResult`; `score` is the pure part.
+
+Heavy parts are not imported here: `from atelier.tasks.grade import grade`.
+"""
+
+from __future__ import annotations
+
+from atelier.tasks.loader import load_suite, load_task
+from atelier.tasks.schema import Task, TaskError
+
+__all__ = ["Task", "TaskError", "load_suite", "load_task"]
