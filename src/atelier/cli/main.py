@@ -4,8 +4,9 @@
 only typer at the top. Every command imports its heavy module (torch, ray,
 the sandbox backends) inside its own function body, after the arguments are
 parsed. Sub-apps live in their own modules (`atelier.cli.sandbox` defines
-`sandbox_app`) and are attached by `register_subcommands`, which tolerates a
-sub-app module that does not exist yet.
+`sandbox_app`, `atelier.cli.tasks` defines `tasks_app`) and are attached by
+`register_subcommands`, which tolerates a sub-app module that does not exist
+yet.
 
 `main` turns every `AtelierError` (a user error: bad config, missing tool)
 into `error: ...` / `hint: ...` on stderr and exit status 2, never a
@@ -61,6 +62,13 @@ def register_subcommands() -> None:
             raise
         sandbox_app = typer.Typer(help="Isolated coding environments.", no_args_is_help=True)
     app.add_typer(sandbox_app, name="sandbox")
+    try:
+        from atelier.cli.tasks import tasks_app
+    except ModuleNotFoundError as exc:
+        if exc.name != "atelier.cli.tasks":
+            raise
+        tasks_app = typer.Typer(help="Tasks: show, grade.", no_args_is_help=True)
+    app.add_typer(tasks_app, name="tasks")
 
 
 def main(argv: list[str] | None = None) -> None:

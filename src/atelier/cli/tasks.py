@@ -1,0 +1,84 @@
+"""`atelier tasks …`: inspect a task, grade a patch against it.
+
+Heavy modules are imported inside the commands so `atelier --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from pathlib import Path
+
+import typer
+
+tasks_app = typer.Typer(help="Tasks: show, grade.", no_args_is_help=True)
+
+
+class Backend(str, enum.Enum):
+    bwrap = "bwrap"
+    local = "local"
+
+
+@tasks_app.command("grade")
+def grade_cmd(
+    task_dir: Path = typer.Argument(..., help="The task directory (task.toml, repo/, tests/, gold.patch)."),
+    patch: Path = typer.Option(..., "--patch", help="A unified diff to grade; an empty file means no change."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object only."),
+    backend: Backend = typer.Option(Backend.bwrap, "--backend", help="bwrap (isolated) or local (isolates nothing)."),
+) -> None:
+    """Apply PATCH in a fresh sandbox, run the hidden tests, print the reward.
+    Example: atelier tasks grade tasks/calc-add --patch tasks/calc-add/gold.patch"""
+    from atelier.tasks.grade import grade
+    from atelier.tasks.loader import load_task
+    from atelier.tasks.schema import TaskError
+
+    task = load_task(task_dir)
+    try:
+        patch_text = patch.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TaskError(f"cannot read patch {patch}: {exc}",
+                        hint="pass a unified diff file; an empty file means no change") from None
+    result = grade(task, patch_text, backend=backend.value)
+    data = result.to_json()
+    if as_json:
+        print(json.dumps({k: data[k] for k in ("reward", "fail_to_pass", "pass_to_pass", "tests",
+                                                "error", "infra_error", "exit_code", "timeout_s")}))
+        return
+    f, p = result.fail_to_pass, result.pass_to_pass
+    typer.echo(f"task {task.id}: reward {result.reward:g}")
+    typer.echo(f"  fail_to_pass {f.passed}/{f.total}   pass_to_pass {p.passed}/{p.total}")
+    for node, status in result.tests.items():
+        typer.echo(f"  {status:8} {node}")
+    if result.error:
+        kind = "infrastructure error" if result.infra_error else "grading error"
+        typer.echo(f"  {kind}: {result.error}")
+        if result.log_tail:
+            typer.echo("  --- test output (tail) ---\n" + result.log_tail)
+
+
+@tasks_app.command("show")
+def show_cmd(task_dir: Path = typer.Argument(..., help="The task directory.")) -> None:
+    """Load and check a task, then print a summary (the gold patch is not shown)."""
+    from atelier.tasks.loader import load_task
+
+    task = load_task(task_dir)
+    m = task.metadata
+    env = (f"python {task.env.python}, {len(task.env.requirements)} requirement(s)"
+           + (", system site-packages" if task.env.system_site_packages else "")
+           if task.env.kind == "python" else "none")
+    lines = [
+        f"task {task.id}  ({task.root})",
+        f"  source {m.source}, category {m.category}, "
+        f"{m.files_changed} file(s) / {m.lines_changed} line(s) changed",
+        f"  env: {env}",
+        f"  test command: {task.test_command}",
+        f"  hidden tests: {', '.join(task.hidden_tests) or '(none)'}",
+        f"  fail_to_pass ({len(task.fail_to_pass)}):",
+        *[f"    {n}" for n in task.fail_to_pass],
+        f"  pass_to_pass ({len(task.pass_to_pass)}):",
+        *[f"    {n}" for n in task.pass_to_pass],
+        f"  gold patch: {len(task.gold_patch.splitlines())} line(s)",
+        "  prompt:",
+        *[f"    {line}" for line in task.prompt.splitlines()],
+    ]
+    typer.echo("\n".join(lines))
