@@ -9,15 +9,13 @@ from pathlib import Path
 import pytest
 
 from atelier.sandbox import SandboxClosed, SandboxConfig, SandboxUnavailable, SnapshotMissing, create_sandbox
-from atelier.sandbox.pool import (
+from atelier.sandbox.pool import PoolExhausted, SandboxPool, percentile
+from atelier.sandbox.pressure import (
     CpuPressure,
-    PoolExhausted,
-    SandboxPool,
     admission_wait_reason,
     parse_load_per_cpu,
     parse_mem_available_mb,
     parse_psi_some_avg10,
-    percentile,
     read_cpu_pressure,
 )
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from atelier.sandbox import SandboxConfig, create_sandbox
+from atelier.sandbox.pressure import read_mem_available_mb
 
 Progress = Callable[[str], None]
 
@@ -117,17 +118,10 @@ def _rate(repo: Path, config: SandboxConfig, seconds: float, workers: int) -> fl
     return round(count / (time.monotonic() - start), 1)
 
 
-def _mem_available_mb() -> float:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) / 1024
-    return float("inf")
-
-
 def _max_live(repo: Path, config: SandboxConfig, cap: int, progress: Progress) -> int:
     live = []
     try:
-        while len(live) < cap and _mem_available_mb() > 2048:
+        while len(live) < cap and (read_mem_available_mb() or float('inf')) > 2048:
             try:
                 live.append(create_sandbox(repo, config))
             except Exception as exc:  # the point is to find where creation stops
