@@ -98,8 +98,11 @@ def task_factory(tmp_path: Path) -> Callable[..., Path]:
 
 @pytest.fixture(scope="session")
 def env_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One venv cache for the session: the calc env is built once."""
-    return tmp_path_factory.mktemp("envs")
+    """One venv cache for the session: the calc env is built once. It is
+    laid out as `$ATELIER_CACHE/envs`, so the CLI can share it."""
+    envs = tmp_path_factory.mktemp("cache") / "envs"
+    envs.mkdir()
+    return envs
 
 
 @pytest.fixture(scope="session")
