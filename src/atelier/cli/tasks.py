@@ -11,7 +11,12 @@ from pathlib import Path
 
 import typer
 
-tasks_app = typer.Typer(help="Tasks: show, grade.", no_args_is_help=True)
+from atelier.cli.tasks_build import build_app
+from atelier.cli.tasks_import import import_app
+
+tasks_app = typer.Typer(help="Tasks: build, import, show, grade.", no_args_is_help=True)
+tasks_app.add_typer(build_app, name="build")
+tasks_app.add_typer(import_app, name="import")
 
 
 class Backend(str, enum.Enum):
