@@ -129,3 +129,21 @@ def test_missing_directories(tmp_path: Path) -> None:
     assert "task.toml" in load_error(tmp_path / "empty").message
     with pytest.raises(TaskError, match="no tasks found"):
         load_suite(tmp_path / "empty")
+
+
+def test_write_task_round_trips_and_drops_history(tmp_path) -> None:
+    import subprocess
+
+    from atelier.tasks.schema import TaskSpec
+    from atelier.tasks.writer import write_task
+
+    repo = tmp_path / "src"
+    repo.mkdir()
+    (repo / "m.py").write_text("x = 1\n")
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    spec = TaskSpec(id="w", prompt="make x two", fail_to_pass=["tests/test_m.py::test_x"])
+    task = write_task(tmp_path / "task", spec, repo, {"tests/test_m.py": "def test_x(): pass\n"},
+                      "--- a/m.py\n+++ b/m.py\n")
+    assert task.hidden_tests == ["tests/test_m.py"]
+    assert not (task.snapshot / ".git").exists()
+    assert (task.root / "tests" / "tests" / "test_m.py").read_text() == "def test_x(): pass\n"
