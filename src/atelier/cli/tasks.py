@@ -14,7 +14,7 @@ import typer
 from atelier.cli.tasks_build import build_app
 from atelier.cli.tasks_import import import_app
 
-tasks_app = typer.Typer(help="Tasks: build, import, show, grade.", no_args_is_help=True)
+tasks_app = typer.Typer(help="Tasks: build, import, show, grade, validate, stats.", no_args_is_help=True)
 tasks_app.add_typer(build_app, name="build")
 tasks_app.add_typer(import_app, name="import")
 
@@ -87,3 +87,65 @@ def show_cmd(task_dir: Path = typer.Argument(..., help="The task directory.")) -
         *[f"    {line}" for line in task.prompt.splitlines()],
     ]
     typer.echo("\n".join(lines))
+
+
+@tasks_app.command("validate")
+def validate_cmd(
+    path: Path = typer.Argument(..., help="A task directory or a suite of them."),
+    runs: int = typer.Option(3, "--runs", min=1, help="Gold must pass in every one of these runs."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object only."),
+    backend: Backend = typer.Option(Backend.bwrap, "--backend", help="bwrap (isolated) or local (isolates nothing)."),
+) -> None:
+    """Check each task: gold passes in every run, the empty patch fails.
+    Exit 1 when any task is invalid. Example: atelier tasks validate suites/mut --runs 3"""
+    from atelier.tasks.validate import summarize, task_dirs, validate
+
+    if as_json:
+        checks = validate(path, runs, backend=backend.value)
+    else:
+        from rich.progress import Progress
+
+        with Progress(transient=True) as progress:
+            bar = progress.add_task("validating", total=len(task_dirs(path)))
+            checks = validate(path, runs, backend=backend.value,
+                              on_task=lambda c: progress.update(bar, advance=1, description=c.id))
+    summary = summarize(checks)
+    if as_json:
+        print(json.dumps(summary))
+    else:
+        typer.echo(f"{summary['valid']}/{summary['tasks']} task(s) valid "
+                   f"(gold x{runs}, empty x1); {summary['flaky']} flaky")
+        for bad in summary["invalid"]:
+            typer.echo(f"  INVALID {bad['id']}: {bad['reason']}")
+    if summary["invalid"]:
+        raise typer.Exit(1)
+
+
+@tasks_app.command("stats")
+def stats_cmd(
+    path: Path = typer.Argument(..., help="A task directory or a suite of them."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object only."),
+) -> None:
+    """Task counts per source and median prompt size and gold-patch size,
+    beside the reference figures. Example: atelier tasks stats suites/mut"""
+    from atelier.tasks.loader import load_task
+    from atelier.tasks.stats import suite_stats
+    from atelier.tasks.validate import task_dirs
+
+    stats = suite_stats(load_task(d) for d in task_dirs(path))
+    if as_json:
+        print(json.dumps(stats))
+        return
+
+    def fmt(v: float | None) -> str:
+        return "-" if v is None else f"{v:g}"
+
+    ref = stats["reference"]
+    typer.echo(f"{stats['tasks']} task(s): "
+               + ", ".join(f"{k} {v}" for k, v in stats["sources"].items()))
+    typer.echo(f"  median prompt chars   {fmt(stats['median_prompt_chars']):>8}"
+               f"   (reference benchmark {ref['reference benchmark']['prompt_chars']})")
+    typer.echo(f"  median lines changed  {fmt(stats['median_lines_changed']):>8}"
+               f"   (reference benchmark {ref['reference benchmark']['lines_changed']}, "
+               f"SWE-bench {ref['SWE-bench']['lines_changed']})")
+    typer.echo(f"  median files changed  {fmt(stats['median_files_changed']):>8}")
