@@ -1,10 +1,44 @@
 """`atelier tasks import …`: convert SWE-bench and Terminal-Bench/Harbor tasks.
 
 Heavy modules are imported inside the commands so `atelier --help` stays fast.
+Each command imports what it can, reports every task it could not import
+with the reason, and exits 1 when any failed.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import typer
 
 import_app = typer.Typer(help="Import tasks from other benchmark formats.", no_args_is_help=True)
+
+
+def _report(report: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(report))
+    else:
+        typer.echo(f"imported {len(report['imported'])} task(s)")
+        for key, label in (("needs_docker", "NEEDS DOCKER"), ("failed", "FAILED")):
+            for item in report.get(key, []):
+                typer.echo(f"  {label} {item['id']}: {item['reason']}")
+        if report["imported"]:
+            typer.echo("next: atelier tasks validate OUT (gold must pass 3 times, empty must fail)")
+    if report["failed"]:
+        raise typer.Exit(1)
+
+
+@import_app.command("swebench")
+def swebench_cmd(
+    instances: Path = typer.Argument(..., help="SWE-bench instances: a JSON list or JSONL."),
+    repos: Path = typer.Option(..., "--repos", help="Mirror dir: REPOS/<owner>__<name> or REPOS/<owner>/<name> git clones."),
+    out: Path = typer.Option(..., "--out", help="Suite directory; one task directory per instance."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace tasks that already exist."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object only."),
+) -> None:
+    """Import SWE-bench instances from local mirrors (no network, no history).
+    Example: atelier tasks import swebench lite.jsonl --repos ~/mirrors --out suites/swe"""
+    from atelier.tasks.swebench import import_file
+
+    _report(import_file(instances, repos, out, overwrite=overwrite), as_json)

@@ -1,0 +1,149 @@
+"""Importers: SWE-bench field parsing and a real import from a tiny local
+git mirror (graded: gold = 1, base = 0); Harbor task directories."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from atelier.cli import main as cli
+from atelier.tasks import TaskError, load_task
+from atelier.tasks.swebench import (import_file, mirror_path, parse_instance, patch_files,
+                                    read_instances, parse_test_ids)
+
+
+def raw_instance(h, **over) -> tuple[dict, str]:
+    """A SWE-bench-style instance for the calc task (FAIL_TO_PASS JSON-encoded,
+    as in the official dataset) and the test file's base content."""
+    fixed = h.OPS_FIXED
+    new_test = h.HIDDEN["tests/test_calc.py"]
+    old_test = "from calc import sub\n\n\ndef test_old():\n    assert sub(1, 1) == 0\n"
+    inst = {
+        "instance_id": "acme__calc-1", "repo": "acme/calc", "base_commit": "HEAD",
+        "patch": h.make_patch({"calc/ops.py": (h.OPS, fixed)}),
+        "test_patch": ("diff --git a/tests/test_calc.py b/tests/test_calc.py\n"
+                       + h.make_patch({"tests/test_calc.py": (old_test, new_test)})),
+        "problem_statement": "add(2, 3) returns -1; it should add.",
+        "FAIL_TO_PASS": json.dumps(h.F2P), "PASS_TO_PASS": h.P2P,
+        "version": "1.0", "environment_setup_commit": "abc",
+    }
+    inst.update(over)
+    return inst, old_test
+
+
+# --- pure -----------------------------------------------------------------
+def test_test_ids_accept_lists_and_json_strings() -> None:
+    assert parse_test_ids(["a.py::t"], "FAIL_TO_PASS", "x") == ["a.py::t"]
+    assert parse_test_ids('["a.py::t", "b.py::C::u[1]"]', "FAIL_TO_PASS", "x") == ["a.py::t", "b.py::C::u[1]"]
+    assert parse_test_ids("[]", "PASS_TO_PASS", "x") == []
+    with pytest.raises(TaskError, match="x: FAIL_TO_PASS is a string but not JSON"):
+        parse_test_ids("a.py::t", "FAIL_TO_PASS", "x")
+    with pytest.raises(TaskError, match="must be a list"):
+        parse_test_ids('{"a": 1}', "FAIL_TO_PASS", "x")
+
+
+def test_parse_instance_checks_fields(h) -> None:
+    inst, _ = raw_instance(h)
+    parsed = parse_instance(inst)
+    assert parsed.fail_to_pass == h.F2P and parsed.pass_to_pass == h.P2P
+    assert parsed.version == "1.0"
+    with pytest.raises(TaskError, match="acme__calc-1: missing field.*base_commit"):
+        parse_instance({k: v for k, v in inst.items() if k != "base_commit"})
+    with pytest.raises(TaskError, match="not a pytest node id") as info:
+        parse_instance({**inst, "FAIL_TO_PASS": '["test_x (app.tests.T)"]'})
+    assert "Django" in info.value.hint
+    js = "diff --git a/x.js b/x.js\n--- a/x.js\n+++ b/x.js\n@@ -1 +1 @@\n-a\n+b\n"
+    with pytest.raises(TaskError, match="\\.py"):
+        parse_instance({**inst, "patch": js, "test_patch": ""})
+
+
+def test_read_instances_json_and_jsonl() -> None:
+    assert read_instances('[{"a": 1}, {"a": 2}]') == [{"a": 1}, {"a": 2}]
+    assert read_instances('{"a": 1}\n\n{"a": 2}\n') == [{"a": 1}, {"a": 2}]
+    with pytest.raises(TaskError, match="line 2"):
+        read_instances('{"a": 1}\n{oops\n')
+
+
+def test_patch_files_and_mirror_path(tmp_path: Path, h) -> None:
+    gone = "diff --git a/old.py b/old.py\ndeleted file mode 100644\n--- a/old.py\n+++ /dev/null\n"
+    assert patch_files(h.GOLD + gone) == ["calc/ops.py"]
+    assert mirror_path(tmp_path, "acme/calc") is None
+    (tmp_path / "acme" / "calc").mkdir(parents=True)
+    assert mirror_path(tmp_path, "acme/calc") == tmp_path / "acme" / "calc"
+    (tmp_path / "acme__calc").mkdir()
+    assert mirror_path(tmp_path, "acme/calc") == tmp_path / "acme__calc"
+
+
+# --- real import --------------------------------------------------------------
+def git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd,
+                          check=True, capture_output=True, text=True).stdout.strip()
+
+
+def make_mirror(repos: Path, h, old_test: str) -> str:
+    """acme/calc with two commits; the base is the first (the second must not leak)."""
+    mirror = repos / "acme__calc"
+    for rel, text in {**h.REPO, "tests/test_calc.py": old_test}.items():
+        (mirror / rel).parent.mkdir(parents=True, exist_ok=True)
+        (mirror / rel).write_text(text)
+    git(mirror, "init", "-q")
+    git(mirror, "add", "-A")
+    git(mirror, "commit", "-qm", "base")
+    base = git(mirror, "rev-parse", "HEAD")
+    (mirror / "calc" / "ops.py").write_text(h.OPS_FIXED)
+    git(mirror, "commit", "-qam", "the fix (future history)")
+    return base
+
+
+def test_import_swebench_instance_and_grade(tmp_path: Path, h, env_cache: Path, bwrap_ready,
+                                            capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    repos, out = tmp_path / "repos", tmp_path / "suite"
+    inst, old_test = raw_instance(h)
+    inst["base_commit"] = make_mirror(repos, h, old_test)
+    missing = {**inst, "instance_id": "other__x-2", "repo": "other/x"}
+    instances = tmp_path / "instances.jsonl"
+    instances.write_text(json.dumps(inst) + "\n" + json.dumps(missing) + "\n")
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["tasks", "import", "swebench", str(instances), "--repos", str(repos),
+                  "--out", str(out), "--json"])
+    assert info.value.code == 1  # one instance had no mirror
+    report = json.loads(capsys.readouterr().out)
+    assert report["imported"] == ["acme__calc-1"]
+    (failed,) = report["failed"]
+    assert failed["id"] == "other__x-2" and "git clone https://github.com/other/x" in failed["reason"]
+
+    task = load_task(out / "acme__calc-1")
+    assert not (task.snapshot / ".git").exists()
+    assert (task.snapshot / "calc" / "ops.py").read_text() == h.OPS  # base, not the fix
+    assert (task.snapshot / "tests" / "test_calc.py").read_text() == old_test
+    assert task.hidden_tests == ["tests/test_calc.py"]
+    assert task.hidden_test_source("tests/test_calc.py").read_text() == h.HIDDEN["tests/test_calc.py"]
+    assert task.metadata.source == "swe-bench" and "acme/calc@1.0" in task.metadata.category
+    assert (task.metadata.files_changed, task.metadata.lines_changed) == (1, 2)
+    assert task.prompt == inst["problem_statement"] and task.env.system_site_packages
+
+    from atelier.tasks.grade import grade
+
+    assert grade(task, task.gold_patch, cache_dir=str(env_cache)).reward == 1.0
+    assert grade(task, "", cache_dir=str(env_cache)).reward == 0.0
+
+    with pytest.raises(TaskError, match="already exists"):
+        from atelier.tasks.swebench import import_instance
+        import_instance(parse_instance(inst), repos, out)
+    report = import_file(instances, repos, out, overwrite=True)
+    assert report["imported"] == ["acme__calc-1"]
+
+
+def test_import_swebench_bad_base_commit(tmp_path: Path, h) -> None:
+    repos = tmp_path / "repos"
+    inst, old_test = raw_instance(h)
+    make_mirror(repos, h, old_test)
+    inst["base_commit"] = "0" * 40
+    path = tmp_path / "i.json"
+    path.write_text(json.dumps([inst]))
+    report = import_file(path, repos, tmp_path / "out")
+    assert report["imported"] == [] and "fetch" in report["failed"][0]["reason"]
