@@ -8,3 +8,48 @@ from __future__ import annotations
 import typer
 
 build_app = typer.Typer(help="Build tasks from real code.", no_args_is_help=True)
+
+
+@build_app.command("release-diff")
+def release_diff_cmd(
+    package: str = typer.Option(None, "--package", help="PyPI name (with --from/--to), or the name for local dirs."),
+    from_version: str = typer.Option(None, "--from", help="The older release (the base)."),
+    to_version: str = typer.Option(None, "--to", help="The newer release (its tests and changelog)."),
+    old_dir: str = typer.Option(None, "--old-dir", help="The older release's unpacked source, instead of PyPI."),
+    new_dir: str = typer.Option(None, "--new-dir", help="The newer release's unpacked source."),
+    out: str = typer.Option(..., "--out", help="Suite directory; the task goes to OUT/<id>."),
+    runs: int = typer.Option(3, "--runs", min=1, help="Test runs per side; tests must agree in all."),
+    timeout: float = typer.Option(600.0, "--timeout", help="Seconds one test run may take."),
+    no_deps: bool = typer.Option(False, "--no-deps", help="Install none of the package's requirements."),
+    backend: str = typer.Option("bwrap", "--backend", help="bwrap (isolated) or local (isolates nothing)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing task directory."),
+) -> None:
+    """A task from two consecutive releases: base = older, gold = the non-test diff,
+    hidden tests = the newer tests, prompt = the changelog entry. Exit 1 when dropped.
+    Example: atelier tasks build release-diff --package cachetools --from 5.1.0 --to 5.2.0 --out suites/rel"""
+    from atelier.tasks.schema import TaskError
+
+    if backend not in ("bwrap", "local"):
+        raise TaskError(f"--backend must be bwrap or local, not {backend!r}", hint="use --backend bwrap")
+    local = old_dir is not None or new_dir is not None
+    if local and (old_dir is None or new_dir is None):
+        raise TaskError("--old-dir and --new-dir go together", hint="pass both release directories")
+    if not local and not (package and from_version and to_version):
+        raise TaskError("nothing to build from",
+                        hint="pass --package NAME --from A --to B, or --old-dir A --new-dir B")
+    from atelier.tasks import release
+
+    kw = dict(runner=release.sandbox_runner(backend), runs=runs, timeout_s=timeout,
+              progress=lambda msg: typer.echo(msg, err=True), overwrite=overwrite,
+              requirements=[] if no_deps else None)
+    if local:
+        report = release.build_release_task(old_dir, new_dir, out, package=package,
+                                            old_version=from_version, new_version=to_version, **kw)
+    else:
+        report = release.build_from_pypi(package, from_version, to_version, out, **kw)
+    if report.dropped is not None:
+        typer.echo(f"dropped {report.task_id}: {report.dropped}")
+        raise typer.Exit(1)
+    typer.echo(f"wrote {report.task_dir}: {report.fail_to_pass} fail-to-pass, "
+               f"{report.pass_to_pass} pass-to-pass, {len(report.flaky)} flaky dropped, "
+               f"{report.files_changed} file(s) in the gold patch")

@@ -1,0 +1,555 @@
+"""Release-diff tasks: two consecutive releases of a pure-Python package.
+
+Example: `atelier tasks build release-diff --package cachetools --from 5.1.0
+--to 5.2.0 --out suites/release` (or `--old-dir A --new-dir B`).
+
+- Base (`repo/`) is the older release as its sdist ships it (minus
+  `*.egg-info`, `PKG-INFO` and caches), its own tests included.
+- The gold patch is the diff of every non-test file, old → new, made by
+  `atelier.sandbox.diff.unified_diff` (git-apply tested).
+- Hidden tests are the newer release's test files: everything under a
+  `tests/` or `test/` directory, `test_*.py`, `*_test.py`, `conftest.py`.
+- The newer tests run three times against base and three times against base
+  + gold, each run in a fresh sandbox with the task's environment and
+  `--continue-on-collection-errors` (a new test module that cannot import at
+  base still lets the others run; its tests count as failing there).
+  FAIL_TO_PASS: failed, errored or absent in all three base runs and passed in
+  all three gold runs. PASS_TO_PASS: passed in all six. A test whose status
+  changes across the three runs of one side is flaky and in neither list.
+- The prompt is the newer release's changelog entry, heading stripped, as
+  the maintainers wrote it (`changelog_entry`, pure).
+- The environment is `PythonEnv(python="3.11", system_site_packages=True)`
+  with the new release's `Requires-Dist` (PKG-INFO; requirements behind an
+  `extra` other than test/tests/testing are left out, other markers are
+  evaluated for 3.11) pinned to what pip resolves today.
+- src-layouts are imported through `-o pythonpath=src` in `test_command`.
+
+A candidate without a changelog entry, without a changed non-test file, or
+without any FAIL_TO_PASS test is dropped with that reason; nothing is
+invented. Not covered: packages with compiled extensions, packages that need
+their installed metadata (`importlib.metadata.version`) at import time (their
+tests fail on both sides and the candidate is dropped), and test dependencies
+that are not declared in a test extra.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import email.parser
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path, PurePosixPath
+from typing import Callable, Iterator
+
+from atelier.tasks.schema import PythonEnv, Task, TaskError, TaskLimits, TaskMetadata, TaskSpec
+
+RUNS = 3
+PYTHON = "3.11"
+TEST_EXTRAS = ("test", "tests", "testing")
+_SKIP_DIRS = {".git", ".hg", ".tox", ".nox", ".venv", "__pycache__", ".pytest_cache",
+              ".mypy_cache", ".ruff_cache", "build", "dist"}
+_TEST_DIRS = {"tests", "test"}
+CHANGELOG_NAMES = ("CHANGES", "CHANGELOG", "HISTORY", "NEWS", "RELEASE_NOTES", "RELEASES")
+
+
+# --- changelogs (pure) --------------------------------------------------------
+_VERSION = r"v?(?P<v>\d+(?:\.\d+)+(?:[-._]?(?:a|b|rc|alpha|beta|post|dev|c)\.?\d*)*)"
+_HEAD = re.compile(
+    r"^\s*(?:[*_]{2})?\[?(?:(?:version|release|changes\s+in|changes\s+for|what's\s+new\s+in)\s+"
+    r"|[A-Za-z][\w.-]*\s+(?=v?\d))?\[?" + _VERSION + r"\]?(?:[*_]{2})?(?P<rest>.*)$", re.I)
+_DATEISH = re.compile(
+    r"^\s*(?:[-–—:,]\s*)?(?:\(?\s*(?:\d{4}[-/.]\d{1,2}[-/.]\d{1,2}|\d{1,2}\s+\w+\.?\s+\d{4}"
+    r"|\w+\.?\s+\d{1,2}(?:st|nd|rd|th)?,?\s+\d{4}|unreleased|not\s+released\s*\w*|released.*"
+    r"|tbd|in\s+development|\d{4})\s*\)?)?\s*:?\s*$", re.I)
+_UNDERLINE = re.compile(r"^\s*([=\-~^*+#\"'`.:_])\1{2,}\s*$")
+_MD_HEAD = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+_LINK_REF = re.compile(r"^\s*\[[^\]]+\]:\s*\S+\s*$")
+_RELEASED_LINE = re.compile(r"^\s*[*_]*(?:released|release\s+date|date)\b.*$", re.I)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Heading:
+    start: int  # first line of the heading (an overline counts)
+    end: int  # first line after it
+    kind: str  # "md", "rst" or "plain"
+    level: object
+    version: str | None
+
+
+def _same_version(a: str, b: str) -> bool:
+    a, b = a.lower().lstrip("v"), b.lower().lstrip("v")
+    if a == b:
+        return True
+    try:
+        from packaging.version import InvalidVersion, Version
+    except ImportError:  # pragma: no cover - packaging ships with pip and pytest
+        return False
+    try:
+        return Version(a) == Version(b)
+    except InvalidVersion:
+        return False
+
+
+def _head_version(text: str, strict: bool) -> str | None:
+    """The version a heading names; `strict` (an unmarked line) also wants
+    nothing after the version but a date."""
+    m = _HEAD.match(text)
+    if m is None:
+        return None
+    rest = m.group("rest")
+    if rest and not re.match(r"^[\s(\-–—:,\]]", rest):
+        return None
+    if strict and not _DATEISH.match(rest):
+        return None
+    return m.group("v")
+
+
+def _headings(lines: list[str]) -> Iterator[_Heading]:
+    rst_styles: list[tuple[str, bool]] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        md = _MD_HEAD.match(line)
+        if md:
+            yield _Heading(i, i + 1, "md", len(md.group(1)), _head_version(md.group(2), False))
+            i += 1
+            continue
+        nxt = lines[i + 1] if i + 1 < len(lines) else ""
+        if line.strip() and not _UNDERLINE.match(line) and _UNDERLINE.match(nxt):
+            over = i > 0 and _UNDERLINE.match(lines[i - 1]) is not None
+            style = (nxt.strip()[0], over)
+            if style not in rst_styles:
+                rst_styles.append(style)
+            yield _Heading(i - over, i + 2, "rst", rst_styles.index(style),
+                           _head_version(line.strip(), False))
+            i += 2
+            continue
+        if line[:1].strip() and (v := _head_version(line, True)) is not None:
+            yield _Heading(i, i + 1, "plain", 0, v)
+        i += 1
+
+
+def changelog_entry(text: str, version: str) -> str | None:
+    """The changelog section of `version` without its heading, or None.
+
+    Understands Markdown (`## 1.2.0`, `## [1.2.0] - 2024-01-01`), reST
+    (`1.2.0 (2024-01-01)` or `Version 1.2.0` over a `-----` line, overlines
+    too) and plain lines (`v1.2.0`, `1.2.0 - 2024-01-01`). The section ends at
+    the next version heading or a heading of the same or a higher level.
+    A leading "Released 2024-01-01" line and link references are dropped.
+    """
+    lines = text.replace("\r\n", "\n").split("\n")
+    heads = list(_headings(lines))
+    for n, h in enumerate(heads):
+        if h.version is None or not _same_version(h.version, version):
+            continue
+        stop = len(lines)
+        for later in heads[n + 1:]:
+            if later.version is not None or (later.kind == h.kind and later.level <= h.level):
+                stop = later.start
+                break
+        body = [ln.rstrip() for ln in lines[h.end:stop] if not _LINK_REF.match(ln)]
+        while body and (not body[0].strip() or _RELEASED_LINE.match(body[0])):
+            body.pop(0)
+        while body and not body[-1].strip():
+            body.pop()
+        entry = "\n".join(body).strip("\n")
+        return entry if entry.strip() else None
+    return None
+
+
+# --- files --------------------------------------------------------------------
+def is_test_path(rel: str) -> bool:
+    parts = PurePosixPath(rel).parts
+    name = parts[-1]
+    return (any(p in _TEST_DIRS for p in parts[:-1]) or name == "conftest.py"
+            or (name.endswith(".py") and (name.startswith("test_") or name.endswith("_test.py"))))
+
+
+def is_test_module(rel: str) -> bool:
+    name = PurePosixPath(rel).name
+    return name.endswith(".py") and (name.startswith("test_") or name.endswith("_test.py"))
+
+
+def release_files(root: Path) -> list[str]:
+    """Repository paths of a release's files, without packaging leftovers."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.endswith(".egg-info"))
+        rel_dir = Path(dirpath).relative_to(root)
+        for name in sorted(filenames):
+            rel = (rel_dir / name).as_posix()
+            if rel == "PKG-INFO" or name.endswith((".pyc", ".pyo")):
+                continue
+            found.append(rel)
+    return found
+
+
+def release_diff(old: Path, new: Path, paths: list[str]) -> str:
+    """A `git apply`-able diff of `paths` from `old` to `new`."""
+    from atelier.sandbox.diff import unified_diff
+    from atelier.sandbox.fsutil import entry_beneath
+
+    old_fd = os.open(old, os.O_RDONLY | os.O_DIRECTORY)
+    new_fd = os.open(new, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return unified_diff(paths, lambda p: entry_beneath(old_fd, p), lambda p: entry_beneath(new_fd, p))
+    finally:
+        os.close(old_fd)
+        os.close(new_fd)
+
+
+def find_changelog(root: Path) -> list[Path]:
+    """Changelog candidates, most likely first."""
+    found = []
+    for d in (root, root / "docs", root / "doc"):
+        if not d.is_dir():
+            continue
+        for p in sorted(d.iterdir()):
+            stem = p.name.split(".")[0].upper().replace("-", "_")
+            if p.is_file() and (stem in CHANGELOG_NAMES or (d != root and stem.startswith("CHANGE"))):
+                found.append(p)
+    return found
+
+
+def read_metadata(root: Path) -> dict[str, list[str]]:
+    """PKG-INFO headers (name → values), {} when there is none."""
+    for p in (root / "PKG-INFO", *sorted(root.glob("*.egg-info/PKG-INFO")),
+              *sorted(root.glob("src/*.egg-info/PKG-INFO"))):
+        if p.is_file():
+            msg = email.parser.Parser().parsestr(p.read_text(encoding="utf-8", errors="replace"),
+                                                 headersonly=True)
+            out: dict[str, list[str]] = {}
+            for k, v in msg.items():
+                out.setdefault(k.lower(), []).append(str(v))
+            return out
+    return {}
+
+
+def local_field(root: Path, field: str) -> str | None:
+    """`field` ("name" or "version") from PKG-INFO, else pyproject's [project]."""
+    meta = read_metadata(root)
+    if meta.get(field):
+        return meta[field][0]
+    pyproject = root / "pyproject.toml"
+    if pyproject.is_file():
+        import tomllib
+
+        try:
+            value = tomllib.loads(pyproject.read_text()).get("project", {}).get(field)
+        except tomllib.TOMLDecodeError:
+            value = None
+        if isinstance(value, str):
+            return value
+    return None
+
+
+def runtime_requirements(requires_dist: list[str], python: str = PYTHON,
+                         exclude: str = "") -> list[str]:
+    """`Requires-Dist` values worth installing: no extras except the test ones,
+    other markers evaluated for `python`, none named `exclude` (the package)."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    out = []
+    for spec in requires_dist:
+        try:
+            req = Requirement(spec)
+        except InvalidRequirement:
+            continue
+        if _canon(req.name) == _canon(exclude):
+            continue
+        if req.marker is not None:
+            env = {"python_version": python, "python_full_version": python + ".0", "extra": ""}
+            if not req.marker.evaluate(env) and not any(
+                    req.marker.evaluate({**env, "extra": e}) for e in TEST_EXTRAS):
+                continue
+        req.marker = None
+        out.append(str(req))
+    return sorted(dict.fromkeys(out))
+
+
+def pin_requirements(requirements: list[str]) -> list[str]:
+    """Each requirement pinned (`name==version`) to what pip resolves now."""
+    if not requirements:
+        return []
+    with tempfile.TemporaryDirectory(prefix="atelier-pin-") as tmp:
+        report = Path(tmp) / "report.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+             "--disable-pip-version-check", "--report", str(report), *requirements],
+            capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0 or not report.is_file():
+            raise TaskError(f"cannot resolve the requirements {', '.join(requirements)}: "
+                            + (proc.stderr.strip().splitlines() or ["pip failed"])[-1],
+                            hint="check the network, or pass --no-deps")
+        data = json.loads(report.read_text())
+    versions = {_canon(i["metadata"]["name"]): i["metadata"]["version"] for i in data["install"]}
+    from packaging.requirements import Requirement
+
+    pinned = []
+    for spec in requirements:
+        req = Requirement(spec)
+        extras = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
+        pinned.append(f"{req.name}{extras}=={versions[_canon(req.name)]}")
+    return pinned
+
+
+def _canon(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+# --- sources ------------------------------------------------------------------
+def download_sdist(package: str, version: str, dest: Path) -> Path:
+    """The unpacked source distribution of `package==version` from PyPI."""
+    dl = dest / "download"
+    dl.mkdir(parents=True, exist_ok=True)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+             "--disable-pip-version-check", "--quiet", f"{package}=={version}", "-d", str(dl)],
+            capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        raise TaskError(f"pip download {package}=={version} took over 600 s",
+                        hint="check the network") from None
+    if proc.returncode != 0:
+        out = proc.stdout + proc.stderr
+        if "No matching distribution" in out or "Could not find a version" in out:
+            raise TaskError(f"PyPI has no source distribution of {package}=={version}",
+                            hint=f"check the name and version: pip index versions {package}")
+        tail = "\n".join(out.strip().splitlines()[-5:])
+        raise TaskError(f"pip download {package}=={version} failed:\n{tail}",
+                        hint="check the network and the package name")
+    archives = [p for p in dl.iterdir() if p.name.endswith((".tar.gz", ".tgz", ".tar.bz2", ".zip"))]
+    if not archives:
+        raise TaskError(f"pip download {package}=={version} gave no sdist archive",
+                        hint="the release may ship only wheels; use --old-dir/--new-dir")
+    return unpack(archives[0], dest / "src")
+
+
+def unpack(archive: Path, dest: Path) -> Path:
+    """Unpack an sdist; its single top directory when it has one."""
+    dest.mkdir(parents=True, exist_ok=True)
+    if archive.name.endswith(".zip"):
+        with zipfile.ZipFile(archive) as zf:
+            zf.extractall(dest)
+    else:
+        with tarfile.open(archive) as tf:
+            tf.extractall(dest, filter="data")
+    entries = list(dest.iterdir())
+    return entries[0] if len(entries) == 1 and entries[0].is_dir() else dest
+
+
+# --- test runs ----------------------------------------------------------------
+Statuses = dict[str, str]
+Runner = Callable[[Task, str], Statuses]
+"""(probe task, patch) → {node id: status} of one run of the hidden test modules."""
+
+
+def sandbox_runner(backend: str = "bwrap", cache_dir: str | None = None) -> Runner:
+    """Run the probe task's test modules in a fresh sandbox, as `grade` would."""
+    from atelier.sandbox import SandboxError, create_sandbox
+    from atelier.tasks.envs import ensure_env, env_mounts, env_python
+    from atelier.tasks.grade import EXIT_MEANING, _restore_tests, test_argv
+    from atelier.tasks.junit import JUnitError, parse_junit
+
+    def run(task: Task, patch: str) -> Statuses:
+        venv = ensure_env(task, cache_dir)
+        config = task.limits.sandbox_config(backend=backend, ro_mounts=env_mounts(venv) if venv else [],
+                                            output_limit_bytes=64 * 2**20)
+        with create_sandbox(task.snapshot, config) as sb:
+            if patch.strip():
+                applied = sb.exec(["git", "apply", "--whitespace=nowarn", "-"], stdin=patch.encode(),
+                                  timeout=60)
+                if not applied.ok:
+                    raise TestRunFailed("the gold patch does not apply: "
+                                        + (applied.stderr or applied.stdout).strip()[-500:])
+            _restore_tests(sb, task)
+            junit = ".atelier-probe-junit.xml"
+            run_ = sb.exec(test_argv(task, env_python(venv) if venv else None, junit),
+                           timeout=task.limits.timeout_s, env={"PYTHONDONTWRITEBYTECODE": "1"})
+            tail = (run_.stdout + run_.stderr).strip()[-800:]
+            if run_.timed_out:
+                raise TestRunFailed(f"the test run timed out after {task.limits.timeout_s:g} s")
+            if run_.exit_code not in (0, 1):
+                raise TestRunFailed(f"pytest exited {run_.exit_code} "
+                                    f"({EXIT_MEANING.get(run_.exit_code, 'unknown')}): {tail}")
+            try:
+                results = parse_junit(sb.read_file(junit), known_files=task.test_files())
+            except (JUnitError, SandboxError) as exc:
+                raise TestRunFailed(f"no readable result file ({exc}): {tail}") from None
+        return dict(results)
+
+    return run
+
+
+class TestRunFailed(RuntimeError):
+    """A probe run that gave no trustworthy results."""
+
+    __test__ = False
+
+
+def split_tests(base: list[Statuses], gold: list[Statuses]) -> tuple[list[str], list[str], list[str]]:
+    """(FAIL_TO_PASS, PASS_TO_PASS, flaky) from the runs of each side (pure).
+    Absent from a run means not run (its module failed to import)."""
+    names = sorted({t for r in [*base, *gold] for t in r})
+    f2p, p2p, flaky = [], [], []
+    for t in names:
+        b = {r.get(t, "absent") for r in base}
+        g = {r.get(t, "absent") for r in gold}
+        if len(b) > 1 or len(g) > 1:
+            flaky.append(t)
+        elif g == {"passed"} and b <= {"failed", "error", "absent"}:
+            f2p.append(t)
+        elif g == {"passed"} and b == {"passed"}:
+            p2p.append(t)
+    return f2p, p2p, flaky
+
+
+# --- building -----------------------------------------------------------------
+@dataclasses.dataclass
+class ReleaseReport:
+    package: str
+    old_version: str
+    new_version: str
+    task_id: str
+    task_dir: str | None = None
+    dropped: str | None = None
+    """Why no task was written."""
+    fail_to_pass: int = 0
+    pass_to_pass: int = 0
+    flaky: list[str] = dataclasses.field(default_factory=list)
+    files_changed: int = 0
+    test_runs: int = 0
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-.") or "pkg"
+
+
+def build_release_task(old_dir: str | Path, new_dir: str | Path, out: str | Path, *,
+                       package: str | None = None, old_version: str | None = None,
+                       new_version: str | None = None, requirements: list[str] | None = None,
+                       runner: Runner | None = None, runs: int = RUNS, timeout_s: float = 600.0,
+                       progress: Callable[[str], None] = lambda msg: None,
+                       overwrite: bool = False) -> ReleaseReport:
+    """Build one task from two release directories into `out/<id>`.
+
+    `requirements` None means: the new release's runtime requirements,
+    pinned (needs the network when there are any); pass [] for none.
+    """
+    from atelier.tasks.writer import write_task
+
+    old, new = Path(old_dir).resolve(), Path(new_dir).resolve()
+    for label, d in (("old", old), ("new", new)):
+        if not d.is_dir():
+            raise TaskError(f"the {label} release directory {d} does not exist",
+                            hint="pass the unpacked source of each release")
+    meta = read_metadata(new)
+    package = package or local_field(new, "name") or new.name
+    old_version = old_version or local_field(old, "version")
+    new_version = new_version or local_field(new, "version")
+    if not old_version or not new_version:
+        raise TaskError(f"cannot tell the version of {old if not old_version else new}",
+                        hint="it has no PKG-INFO or pyproject [project].version; pass --from and --to")
+    task_id = _slug(f"{package}-{old_version}-to-{new_version}")
+    report = ReleaseReport(package, old_version, new_version, task_id)
+
+    def drop(reason: str) -> ReleaseReport:
+        report.dropped = reason
+        progress(f"dropped {task_id}: {reason}")
+        return report
+
+    logs = find_changelog(new)
+    entry = next((e for p in logs if (e := changelog_entry(p.read_text(encoding="utf-8", errors="replace"),
+                                                           new_version))), None)
+    if entry is None:
+        looked = ", ".join(p.relative_to(new).as_posix() for p in logs) or "no changelog file found"
+        return drop(f"no changelog entry for {new_version} ({looked})")
+
+    old_files, new_files = release_files(old), release_files(new)
+    source_paths = sorted({p for p in [*old_files, *new_files] if not is_test_path(p)})
+    gold = release_diff(old, new, source_paths)
+    if not gold.strip():
+        return drop(f"no non-test file changed between {old_version} and {new_version}")
+    hidden = {p: (new / p).read_bytes() for p in new_files if is_test_path(p)}
+    modules = sorted(p for p in hidden if is_test_module(p))
+    if not modules:
+        return drop(f"the {new_version} release ships no test modules")
+    changed = sorted({line.split(" b/", 1)[-1] for line in gold.splitlines()
+                      if line.startswith("diff --git ")})
+    report.files_changed = len(changed)
+
+    if requirements is None:
+        requirements = pin_requirements(runtime_requirements(meta.get("requires-dist", []),
+                                                             exclude=package))
+    src_layout = (old / "src").is_dir()
+    test_command = "python -m pytest" + (" --rootdir=. -o pythonpath=src" if src_layout else "")
+    spec = TaskSpec(
+        id=task_id, prompt=entry,
+        env=PythonEnv(python=PYTHON, requirements=requirements, system_site_packages=True),
+        hidden_tests=sorted(hidden), test_command=test_command,
+        metadata=TaskMetadata(source="release-diff", category="release",
+                              files_changed=len(changed), lines_changed=_changed_lines(gold)),
+        limits=TaskLimits(timeout_s=timeout_s))
+
+    run = runner or sandbox_runner()
+    with tempfile.TemporaryDirectory(prefix="atelier-release-") as tmp:
+        base = Path(tmp) / "repo"
+        shutil.copytree(old, base, symlinks=True,
+                        ignore=lambda d, names: [n for n in names if n in _SKIP_DIRS
+                                                 or n.endswith((".egg-info", ".pyc"))
+                                                 or (Path(d) == old and n == "PKG-INFO")])
+        tests = Path(tmp) / "tests"
+        for rel, data in hidden.items():
+            (tests / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tests / rel).write_bytes(data)
+        probe = Task(**spec.model_dump(exclude={"test_command"}),
+                     test_command=test_command + " --continue-on-collection-errors",
+                     root=Path(tmp), snapshot=base, gold_patch=gold)
+        probe = probe.model_copy(update={"fail_to_pass": modules})
+        sides: dict[str, list[Statuses]] = {"base": [], "gold": []}
+        for side, patch in (("base", ""), ("gold", gold)):
+            for i in range(runs):
+                progress(f"{task_id}: running the {new_version} tests on {side} ({i + 1}/{runs})")
+                try:
+                    sides[side].append(run(probe, patch))
+                except TestRunFailed as exc:
+                    return drop(f"{side} run {i + 1}: {exc}")
+                report.test_runs += 1
+        f2p, p2p, flaky = split_tests(sides["base"], sides["gold"])
+        report.fail_to_pass, report.pass_to_pass, report.flaky = len(f2p), len(p2p), flaky
+        if not f2p:
+            return drop(f"no test fails at {old_version} and passes at {new_version} "
+                        f"({len(p2p)} pass on both, {len(flaky)} flaky)")
+        spec = spec.model_copy(update={"fail_to_pass": f2p, "pass_to_pass": p2p})
+        task = write_task(Path(out) / task_id, spec, base, hidden, gold, overwrite=overwrite)
+    report.task_dir = str(task.root)
+    progress(f"wrote {task.root}: {len(f2p)} fail-to-pass, {len(p2p)} pass-to-pass")
+    return report
+
+
+def build_from_pypi(package: str, old_version: str, new_version: str, out: str | Path,
+                    **kw) -> ReleaseReport:
+    """Download both sdists from PyPI and build the task."""
+    progress = kw.get("progress", lambda msg: None)
+    with tempfile.TemporaryDirectory(prefix="atelier-sdist-") as tmp:
+        progress(f"downloading {package}=={old_version} and {package}=={new_version}")
+        old = download_sdist(package, old_version, Path(tmp) / "old")
+        new = download_sdist(package, new_version, Path(tmp) / "new")
+        return build_release_task(old, new, out, package=package, old_version=old_version,
+                                  new_version=new_version, **kw)
+
+
+def _changed_lines(patch: str) -> int:
+    return sum(1 for line in patch.splitlines()
+               if line[:1] in "+-" and not line.startswith(("+++ ", "--- ")))
