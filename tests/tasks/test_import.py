@@ -147,3 +147,90 @@ def test_import_swebench_bad_base_commit(tmp_path: Path, h) -> None:
     path.write_text(json.dumps([inst]))
     report = import_file(path, repos, tmp_path / "out")
     assert report["imported"] == [] and "fetch" in report["failed"][0]["reason"]
+
+
+# --- Harbor ---------------------------------------------------------------------
+from atelier.tasks.harbor import (NODE, dockerfile_needs, dockerfile_workdir, import_dir,  # noqa: E402
+                                  rewrite_paths)
+
+
+def test_dockerfile_classification() -> None:
+    simple = "# base\nFROM python:3.11-slim\nWORKDIR /app\nCOPY greet.py /app/greet.py\n"
+    assert dockerfile_needs(simple) is None
+    assert dockerfile_needs("FROM ubuntu:24.04\n") is None
+    assert dockerfile_needs("FROM --platform=linux/amd64 ghcr.io/x/debian:12\nCOPY . .\n") is None
+    assert dockerfile_needs(simple + "RUN pip install \\\n    numpy\n") == "line 5: RUN pip install numpy"
+    assert "not a python/ubuntu/debian" in dockerfile_needs("FROM node:20\n")
+    assert dockerfile_needs("ENV X=1\nFROM python:3.12\n").startswith("line 1: ENV")
+    assert dockerfile_needs("# nothing\n") == "the Dockerfile is empty"
+    assert dockerfile_workdir(simple) == "/app"
+    assert dockerfile_workdir("FROM python\nWORKDIR /srv/code/\n") == "/srv/code"
+
+
+def test_rewrite_paths_whole_components_only() -> None:
+    script = "cd /app && cat /app/x /application /tests/t.py > /logs/verifier/reward.txt; ls my/app"
+    out = rewrite_paths(script, {"/app": "/ws", "/tests": "/ws/tests", "/logs/verifier": "/tmp/l"})
+    assert out == "cd /ws && cat /ws/x /application /ws/tests/t.py > /tmp/l/reward.txt; ls my/app"
+
+
+GREET = "def greet(name):\n    return 'hi'\n"
+TEST_SH = """#!/bin/bash
+cd /app
+if python -c "from greet import greet; assert greet('bob') == 'hello bob'"; then
+  echo 1 > /logs/verifier/reward.txt
+else
+  echo 0 > /logs/verifier/reward.txt
+fi
+"""
+SOLVE_SH = """#!/bin/bash
+cat > /app/greet.py <<'END'
+def greet(name):
+    return 'hello ' + name
+END
+"""
+
+
+def make_harbor_task(root: Path, dockerfile: str | None) -> Path:
+    files = {"instruction.md": "greet() should return 'hello NAME'.\n",
+             "task.toml": 'version = "1.0"\n[metadata]\ncategory = "programming"\n'
+                          "[verifier]\ntimeout_sec = 30.0\n",
+             "environment/greet.py": GREET, "tests/test.sh": TEST_SH, "solution/solve.sh": SOLVE_SH}
+    if dockerfile is not None:
+        files["environment/Dockerfile"] = dockerfile
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def test_import_harbor_tasks(tmp_path: Path, env_cache: Path, bwrap_ready, capsys) -> None:
+    from atelier.tasks.grade import grade
+
+    src, out = tmp_path / "harbor", tmp_path / "suite"
+    make_harbor_task(src / "greet", "FROM python:3.11-slim\nWORKDIR /app\nCOPY greet.py /app/\n")
+    make_harbor_task(src / "needs-image", "FROM python:3.11\nRUN apt-get install -y jq\n")
+    (src / "no-solution" / "instruction.md").parent.mkdir(parents=True)
+    (src / "no-solution" / "instruction.md").write_text("x")
+
+    report = import_dir(src, out)
+    assert report["imported"] == ["greet"]
+    assert report["needs_docker"] == [{"id": "needs-image",
+                                       "reason": "environment/Dockerfile line 2: RUN apt-get install -y jq"}]
+    (failed,) = report["failed"]
+    assert failed["id"] == "no-solution" and "missing tests/test.sh" in failed["reason"]
+
+    task = load_task(out / "greet")
+    assert task.fail_to_pass == [NODE] and task.metadata.source == "harbor"
+    assert task.metadata.category == "programming" and task.prompt.startswith("greet()")
+    assert sorted(task.hidden_tests) == ["tests/test.sh", "tests/test_harbor_verifier.py"]
+    assert not (task.snapshot / "Dockerfile").exists()
+    assert (task.snapshot / "greet.py").read_text() == GREET
+    assert "+    return 'hello ' + name" in task.gold_patch
+    assert grade(task, task.gold_patch, cache_dir=str(env_cache)).reward == 1.0
+    empty = grade(task, "", cache_dir=str(env_cache))
+    assert empty.reward == 0.0 and empty.tests[NODE] == "failed"
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["tasks", "import", "harbor", str(src / "needs-image"), "--out", str(out)])
+    assert info.value.code == 0
+    assert "NEEDS DOCKER needs-image: environment/Dockerfile line 2: RUN" in capsys.readouterr().out

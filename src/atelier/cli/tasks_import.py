@@ -42,3 +42,19 @@ def swebench_cmd(
     from atelier.tasks.swebench import import_file
 
     _report(import_file(instances, repos, out, overwrite=overwrite), as_json)
+
+
+@import_app.command("harbor")
+def harbor_cmd(
+    path: Path = typer.Argument(..., help="A Harbor task directory (instruction.md …) or a directory of them."),
+    out: Path = typer.Option(..., "--out", help="Suite directory; one task directory per task."),
+    backend: str = typer.Option("bwrap", "--backend", help="Sandbox that runs solve.sh: bwrap or local."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace tasks that already exist."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object only."),
+) -> None:
+    """Import Harbor / Terminal-Bench tasks that need no custom Docker image;
+    the others are listed as needing one. Gold = the diff solve.sh leaves.
+    Example: atelier tasks import harbor ~/terminal-bench/tasks --out suites/tb"""
+    from atelier.tasks.harbor import import_dir
+
+    _report(import_dir(path, out, backend=backend, overwrite=overwrite), as_json)
