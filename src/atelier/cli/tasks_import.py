@@ -7,6 +7,7 @@ with the reason, and exits 1 when any failed.
 
 from __future__ import annotations
 
+import enum
 import json
 from pathlib import Path
 
@@ -15,7 +16,12 @@ import typer
 import_app = typer.Typer(help="Import tasks from other benchmark formats.", no_args_is_help=True)
 
 
-def _report(report: dict, as_json: bool) -> None:
+class Backend(str, enum.Enum):
+    bwrap = "bwrap"
+    local = "local"
+
+
+def _report(report: dict, out: Path, as_json: bool) -> None:
     if as_json:
         print(json.dumps(report))
     else:
@@ -24,7 +30,7 @@ def _report(report: dict, as_json: bool) -> None:
             for item in report.get(key, []):
                 typer.echo(f"  {label} {item['id']}: {item['reason']}")
         if report["imported"]:
-            typer.echo("next: atelier tasks validate OUT (gold must pass 3 times, empty must fail)")
+            typer.echo(f"next: atelier tasks validate {out} (gold must pass 3 times, empty must fail)")
     if report["failed"]:
         raise typer.Exit(1)
 
@@ -41,14 +47,14 @@ def swebench_cmd(
     Example: atelier tasks import swebench lite.jsonl --repos ~/mirrors --out suites/swe"""
     from atelier.tasks.swebench import import_file
 
-    _report(import_file(instances, repos, out, overwrite=overwrite), as_json)
+    _report(import_file(instances, repos, out, overwrite=overwrite), out, as_json)
 
 
 @import_app.command("harbor")
 def harbor_cmd(
     path: Path = typer.Argument(..., help="A Harbor task directory (instruction.md …) or a directory of them."),
     out: Path = typer.Option(..., "--out", help="Suite directory; one task directory per task."),
-    backend: str = typer.Option("bwrap", "--backend", help="Sandbox that runs solve.sh: bwrap or local."),
+    backend: Backend = typer.Option(Backend.bwrap, "--backend", help="Sandbox that runs solve.sh: bwrap or local (isolates nothing)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace tasks that already exist."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object only."),
 ) -> None:
@@ -57,4 +63,4 @@ def harbor_cmd(
     Example: atelier tasks import harbor ~/terminal-bench/tasks --out suites/tb"""
     from atelier.tasks.harbor import import_dir
 
-    _report(import_dir(path, out, backend=backend, overwrite=overwrite), as_json)
+    _report(import_dir(path, out, backend=backend.value, overwrite=overwrite), out, as_json)
