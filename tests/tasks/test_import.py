@@ -11,8 +11,10 @@ import pytest
 
 from atelier.cli import main as cli
 from atelier.tasks import TaskError, load_task
-from atelier.tasks.swebench import (import_file, mirror_path, parse_instance, patch_files,
-                                    read_instances, parse_test_ids)
+from atelier.tasks.harbor import (NODE, dockerfile_needs, dockerfile_workdir, import_dir,
+                                  rewrite_paths)
+from atelier.tasks.swebench import (import_file, import_instance, mirror_path, parse_instance,
+                                    parse_test_ids, patch_files, read_instances)
 
 
 def raw_instance(h, **over) -> tuple[dict, str]:
@@ -132,7 +134,6 @@ def test_import_swebench_instance_and_grade(tmp_path: Path, h, env_cache: Path, 
     assert grade(task, "", cache_dir=str(env_cache)).reward == 0.0
 
     with pytest.raises(TaskError, match="already exists"):
-        from atelier.tasks.swebench import import_instance
         import_instance(parse_instance(inst), repos, out)
     report = import_file(instances, repos, out, overwrite=True)
     assert report["imported"] == ["acme__calc-1"]
@@ -150,8 +151,6 @@ def test_import_swebench_bad_base_commit(tmp_path: Path, h) -> None:
 
 
 # --- Harbor ---------------------------------------------------------------------
-from atelier.tasks.harbor import (NODE, dockerfile_needs, dockerfile_workdir, import_dir,  # noqa: E402
-                                  rewrite_paths)
 
 
 def test_dockerfile_classification() -> None:
