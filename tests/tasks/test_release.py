@@ -122,6 +122,8 @@ def test_split_tests_drops_flaky() -> None:
     gold = [{"a": "passed", "b": "passed", "c": "passed", "d": "passed", "e": "failed"}] * 3
     f2p, p2p, flaky = split_tests(base, gold)
     assert (f2p, p2p, flaky) == (["a", "d"], ["b"], ["c"])
+    inherited = [{"t/test_a.py::A::x": "passed", "t/__init__.py::A::y": "passed"}] * 3
+    assert split_tests(inherited, inherited, ["t/test_a.py"]) == ([], ["t/test_a.py::A::x"], [])
 
 
 def test_runtime_requirements() -> None:

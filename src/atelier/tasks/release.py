@@ -48,7 +48,8 @@ import zipfile
 from pathlib import Path, PurePosixPath
 from typing import Callable, Iterator
 
-from atelier.tasks.schema import PythonEnv, Task, TaskError, TaskLimits, TaskMetadata, TaskSpec
+from atelier.tasks.schema import (PythonEnv, Task, TaskError, TaskLimits, TaskMetadata, TaskSpec,
+                                  node_file)
 
 RUNS = 3
 PYTHON = "3.11"
@@ -395,10 +396,15 @@ class TestRunFailed(RuntimeError):
     __test__ = False
 
 
-def split_tests(base: list[Statuses], gold: list[Statuses]) -> tuple[list[str], list[str], list[str]]:
+def split_tests(base: list[Statuses], gold: list[Statuses],
+                modules: list[str] | None = None) -> tuple[list[str], list[str], list[str]]:
     """(FAIL_TO_PASS, PASS_TO_PASS, flaky) from the runs of each side (pure).
-    Absent from a run means not run (its module failed to import)."""
-    names = sorted({t for r in [*base, *gold] for t in r})
+    Absent from a run means not run (its module failed to import). With
+    `modules`, ids in other files are left out: JUnit names an inherited test
+    method by the file that defines it (`tests/__init__.py::LRUTest::t`),
+    an id pytest cannot select."""
+    names = sorted({t for r in [*base, *gold] for t in r
+                    if modules is None or node_file(t) in modules})
     f2p, p2p, flaky = [], [], []
     for t in names:
         b = {r.get(t, "absent") for r in base}
@@ -466,7 +472,6 @@ def build_release_task(old_dir: str | Path, new_dir: str | Path, out: str | Path
 
     def drop(reason: str) -> ReleaseReport:
         report.dropped = reason
-        progress(f"dropped {task_id}: {reason}")
         return report
 
     logs = find_changelog(new)
@@ -526,7 +531,7 @@ def build_release_task(old_dir: str | Path, new_dir: str | Path, out: str | Path
                 except TestRunFailed as exc:
                     return drop(f"{side} run {i + 1}: {exc}")
                 report.test_runs += 1
-        f2p, p2p, flaky = split_tests(sides["base"], sides["gold"])
+        f2p, p2p, flaky = split_tests(sides["base"], sides["gold"], modules)
         report.fail_to_pass, report.pass_to_pass, report.flaky = len(f2p), len(p2p), flaky
         if not f2p:
             return drop(f"no test fails at {old_version} and passes at {new_version} "
@@ -534,7 +539,6 @@ def build_release_task(old_dir: str | Path, new_dir: str | Path, out: str | Path
         spec = spec.model_copy(update={"fail_to_pass": f2p, "pass_to_pass": p2p})
         task = write_task(Path(out) / task_id, spec, base, hidden, gold, overwrite=overwrite)
     report.task_dir = str(task.root)
-    progress(f"wrote {task.root}: {len(f2p)} fail-to-pass, {len(p2p)} pass-to-pass")
     return report
 
 
