@@ -259,3 +259,12 @@ def test_unknown_pypi_version_is_a_task_error(tmp_path: Path) -> None:
 
     with pytest.raises(TaskError, match="no source distribution of cachetools==0.0.99"):
         build_from_pypi("cachetools", "0.0.99", "5.2.0", tmp_path)
+
+
+def test_find_changelog(tmp_path: Path) -> None:
+    from atelier.tasks.release import find_changelog
+
+    write_tree(tmp_path, {"CHANGES.rst": "", "README.md": "", "docs/versions.rst": "",
+                          "docs/api.rst": "", "docs/history.md": ""})
+    assert [p.relative_to(tmp_path).as_posix() for p in find_changelog(tmp_path)] == [
+        "CHANGES.rst", "docs/history.md", "docs/versions.rst"]

@@ -58,6 +58,7 @@ _SKIP_DIRS = {".git", ".hg", ".tox", ".nox", ".venv", "__pycache__", ".pytest_ca
               ".mypy_cache", ".ruff_cache", "build", "dist"}
 _TEST_DIRS = {"tests", "test"}
 CHANGELOG_NAMES = ("CHANGES", "CHANGELOG", "HISTORY", "NEWS", "RELEASE_NOTES", "RELEASES")
+DOCS_CHANGELOG_NAMES = ("VERSIONS", "WHATSNEW", "WHATS_NEW", "RELEASE", "NEWS")
 
 
 # --- changelogs (pure) --------------------------------------------------------
@@ -215,7 +216,8 @@ def find_changelog(root: Path) -> list[Path]:
             continue
         for p in sorted(d.iterdir()):
             stem = p.name.split(".")[0].upper().replace("-", "_")
-            if p.is_file() and (stem in CHANGELOG_NAMES or (d != root and stem.startswith("CHANGE"))):
+            docs_name = d != root and (stem.startswith(("CHANGE", "HISTORY")) or stem in DOCS_CHANGELOG_NAMES)
+            if p.is_file() and (stem in CHANGELOG_NAMES or docs_name):
                 found.append(p)
     return found
 
