@@ -268,3 +268,12 @@ def test_find_changelog(tmp_path: Path) -> None:
                           "docs/api.rst": "", "docs/history.md": ""})
     assert [p.relative_to(tmp_path).as_posix() for p in find_changelog(tmp_path)] == [
         "CHANGES.rst", "docs/history.md", "docs/versions.rst"]
+
+
+def test_existing_task_dir_is_refused_before_running(releases, tmp_path: Path) -> None:
+    from atelier.tasks.schema import TaskError
+
+    old, new = releases
+    (tmp_path / "out" / "tinyfmt-1.0.0-to-1.1.0").mkdir(parents=True)
+    with pytest.raises(TaskError, match="already exists"):
+        build_release_task(old, new, tmp_path / "out", requirements=[], runner=None)

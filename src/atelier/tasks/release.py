@@ -471,6 +471,9 @@ def build_release_task(old_dir: str | Path, new_dir: str | Path, out: str | Path
                         hint="it has no PKG-INFO or pyproject [project].version; pass --from and --to")
     task_id = _slug(f"{package}-{old_version}-to-{new_version}")
     report = ReleaseReport(package, old_version, new_version, task_id)
+    if (Path(out) / task_id).exists() and not overwrite:
+        raise TaskError(f"task {task_id}: {Path(out) / task_id} already exists",
+                        hint="choose another --out, remove the old task, or pass --overwrite")
 
     def drop(reason: str) -> ReleaseReport:
         report.dropped = reason
