@@ -17,7 +17,7 @@ Example: `atelier tasks build release-diff --package cachetools --from 5.1.0
   all three gold runs. PASS_TO_PASS: passed in all six. A test whose status
   changes across the three runs of one side is flaky and in neither list.
 - The prompt is the newer release's changelog entry, heading stripped, as
-  the maintainers wrote it (`changelog_entry`, pure).
+  the maintainers wrote it (`atelier.tasks.changelog.changelog_entry`, pure).
 - The environment is `PythonEnv(python="3.11", system_site_packages=True)`
   with the new release's `Requires-Dist` (PKG-INFO; requirements behind an
   `extra` other than test/tests/testing are left out, other markers are
@@ -46,8 +46,9 @@ import tarfile
 import tempfile
 import zipfile
 from pathlib import Path, PurePosixPath
-from typing import Callable, Iterator
+from typing import Callable
 
+from atelier.tasks.changelog import changelog_entry
 from atelier.tasks.schema import (PythonEnv, Task, TaskError, TaskLimits, TaskMetadata, TaskSpec,
                                   node_file)
 
@@ -59,112 +60,6 @@ _SKIP_DIRS = {".git", ".hg", ".tox", ".nox", ".venv", "__pycache__", ".pytest_ca
 _TEST_DIRS = {"tests", "test"}
 CHANGELOG_NAMES = ("CHANGES", "CHANGELOG", "HISTORY", "NEWS", "RELEASE_NOTES", "RELEASES")
 DOCS_CHANGELOG_NAMES = ("VERSIONS", "WHATSNEW", "WHATS_NEW", "RELEASE", "NEWS")
-
-
-# --- changelogs (pure) --------------------------------------------------------
-_VERSION = r"v?(?P<v>\d+(?:\.\d+)+(?:[-._]?(?:a|b|rc|alpha|beta|post|dev|c)\.?\d*)*)"
-_HEAD = re.compile(
-    r"^\s*(?:[*_]{2})?\[?(?:(?:version|release|changes\s+in|changes\s+for|what's\s+new\s+in)\s+"
-    r"|[A-Za-z][\w.-]*\s+(?=v?\d))?\[?" + _VERSION + r"\]?(?:[*_]{2})?(?P<rest>.*)$", re.I)
-_DATEISH = re.compile(
-    r"^\s*(?:[-–—:,]\s*)?(?:\(?\s*(?:\d{4}[-/.]\d{1,2}[-/.]\d{1,2}|\d{1,2}\s+\w+\.?\s+\d{4}"
-    r"|\w+\.?\s+\d{1,2}(?:st|nd|rd|th)?,?\s+\d{4}|unreleased|not\s+released\s*\w*|released.*"
-    r"|tbd|in\s+development|\d{4})\s*\)?)?\s*:?\s*$", re.I)
-_UNDERLINE = re.compile(r"^\s*([=\-~^*+#\"'`.:_])\1{2,}\s*$")
-_MD_HEAD = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
-_LINK_REF = re.compile(r"^\s*\[[^\]]+\]:\s*\S+\s*$")
-_RELEASED_LINE = re.compile(r"^\s*[*_]*(?:released|release\s+date|date)\b.*$", re.I)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Heading:
-    start: int  # first line of the heading (an overline counts)
-    end: int  # first line after it
-    kind: str  # "md", "rst" or "plain"
-    level: object
-    version: str | None
-
-
-def _same_version(a: str, b: str) -> bool:
-    a, b = a.lower().lstrip("v"), b.lower().lstrip("v")
-    if a == b:
-        return True
-    try:
-        from packaging.version import InvalidVersion, Version
-    except ImportError:  # pragma: no cover - packaging ships with pip and pytest
-        return False
-    try:
-        return Version(a) == Version(b)
-    except InvalidVersion:
-        return False
-
-
-def _head_version(text: str, strict: bool) -> str | None:
-    """The version a heading names; `strict` (an unmarked line) also wants
-    nothing after the version but a date."""
-    m = _HEAD.match(text)
-    if m is None:
-        return None
-    rest = m.group("rest")
-    if rest and not re.match(r"^[\s(\-–—:,\]]", rest):
-        return None
-    if strict and not _DATEISH.match(rest):
-        return None
-    return m.group("v")
-
-
-def _headings(lines: list[str]) -> Iterator[_Heading]:
-    rst_styles: list[tuple[str, bool]] = []
-    i = 0
-    while i < len(lines):
-        line = lines[i]
-        md = _MD_HEAD.match(line)
-        if md:
-            yield _Heading(i, i + 1, "md", len(md.group(1)), _head_version(md.group(2), False))
-            i += 1
-            continue
-        nxt = lines[i + 1] if i + 1 < len(lines) else ""
-        if line.strip() and not _UNDERLINE.match(line) and _UNDERLINE.match(nxt):
-            over = i > 0 and _UNDERLINE.match(lines[i - 1]) is not None
-            style = (nxt.strip()[0], over)
-            if style not in rst_styles:
-                rst_styles.append(style)
-            yield _Heading(i - over, i + 2, "rst", rst_styles.index(style),
-                           _head_version(line.strip(), False))
-            i += 2
-            continue
-        if line[:1].strip() and (v := _head_version(line, True)) is not None:
-            yield _Heading(i, i + 1, "plain", 0, v)
-        i += 1
-
-
-def changelog_entry(text: str, version: str) -> str | None:
-    """The changelog section of `version` without its heading, or None.
-
-    Understands Markdown (`## 1.2.0`, `## [1.2.0] - 2024-01-01`), reST
-    (`1.2.0 (2024-01-01)` or `Version 1.2.0` over a `-----` line, overlines
-    too) and plain lines (`v1.2.0`, `1.2.0 - 2024-01-01`). The section ends at
-    the next version heading or a heading of the same or a higher level.
-    A leading "Released 2024-01-01" line and link references are dropped.
-    """
-    lines = text.replace("\r\n", "\n").split("\n")
-    heads = list(_headings(lines))
-    for n, h in enumerate(heads):
-        if h.version is None or not _same_version(h.version, version):
-            continue
-        stop = len(lines)
-        for later in heads[n + 1:]:
-            if later.version is not None or (later.kind == h.kind and later.level <= h.level):
-                stop = later.start
-                break
-        body = [ln.rstrip() for ln in lines[h.end:stop] if not _LINK_REF.match(ln)]
-        while body and (not body[0].strip() or _RELEASED_LINE.match(body[0])):
-            body.pop(0)
-        while body and not body[-1].strip():
-            body.pop()
-        entry = "\n".join(body).strip("\n")
-        return entry if entry.strip() else None
-    return None
 
 
 # --- files --------------------------------------------------------------------
