@@ -8,11 +8,13 @@ import json
 import random
 import shutil
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from atelier.tasks.loader import load_task
 from atelier.tasks.mutate import (
     OPERATORS,
     BuildReport,
@@ -356,22 +358,25 @@ def test_build_with_the_real_runner_gold_patches_fix_the_failing_tests(tmp_path:
     assert json.loads((out / "build_report.json").read_text())["tasks"] == report.tasks
     for task_id in report.tasks:
         task_dir = out / task_id
-        task = json.loads((task_dir / "task.json").read_text())
-        assert set(task) == {"id", "prompt", "fail_to_pass", "pass_to_pass", "metadata"}
+        loaded = load_task(task_dir)
+        task = loaded.model_dump()
         assert task["id"] == task_id and task["fail_to_pass"]
+        assert loaded.hidden_tests and all(t.startswith("tests/") for t in loaded.hidden_tests)
+        mutations = json.loads((task_dir / "mutations.json").read_text())
         assert sorted(task["fail_to_pass"] + task["pass_to_pass"]) == sorted(
             ["tests/test_calc.py::test_add", "tests/test_calc.py::test_clamp",
              "tests/test_seq.py::test_window", "tests/test_seq.py::test_both_positive"])
         meta = task["metadata"]
-        assert meta["source"] == "mutation" and meta["seed"] == 1 and meta["lines_changed"] >= 2
-        assert set(meta["category"]) <= set(OPERATORS)
+        assert meta["source"] == "mutation" and mutations["seed"] == 1 and meta["lines_changed"] >= 2
+        assert set(meta["category"].split(",")) <= set(OPERATORS)
         assert not (task_dir / "repo" / ".git").exists()
 
         before = run_pytest_local(task_dir / "repo")
         assert all(before[t] != "passed" for t in task["fail_to_pass"])
         fixed = run_pytest_local(_git_apply(task_dir, tmp_path / f"fixed-{task_id}"))
         assert all(fixed[t] == "passed" for t in task["fail_to_pass"] + task["pass_to_pass"])
-        for path in meta["files_changed"]:
+        assert meta["files_changed"] == len({m["path"] for m in mutations["mutations"]})
+        for path in {m["path"] for m in mutations["mutations"]}:
             assert (tmp_path / f"fixed-{task_id}" / path).read_text() == (repo / path).read_text()
 
         patch = (task_dir / "gold.patch").read_text()
@@ -414,7 +419,7 @@ def test_build_is_deterministic_and_never_counts_flaky_or_failing_tests(tmp_path
     assert len(first.tasks) == 4 and first.tasks == again.tasks and first.tasks != other.tasks
     assert first.clean_passing == 1
     for task_id in first.tasks:
-        task = json.loads((tmp_path / "a" / task_id / "task.json").read_text())
+        task = load_task(tmp_path / "a" / task_id).model_dump()
         assert task["fail_to_pass"] == ["tests/test_calc.py::test_calc"] and task["pass_to_pass"] == []
         assert (tmp_path / "a" / task_id / "gold.patch").read_text() == (
             tmp_path / "b" / task_id / "gold.patch").read_text()
@@ -447,3 +452,22 @@ def test_build_refuses_a_repository_whose_tests_do_not_pass(tmp_path: Path) -> N
     repo, _ = _fake_repo(tmp_path)
     with pytest.raises(MutationBuildError, match="no test passes"):
         build_mutation_tasks(repo, tmp_path / "out", n=1, run_tests=lambda d: {"t::x": "failed"})
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_cli_builds_in_sandboxes_and_the_tasks_grade(tmp_path: Path) -> None:
+    from atelier.tasks.grade import grade
+
+    repo = _write_repo(tmp_path / "tiny")
+    out = tmp_path / "suite"
+    res = subprocess.run([sys.executable, "-m", "atelier.cli", "tasks", "build", "mutate", "--repo", str(repo),
+                          "--out", str(out), "--n", "2", "--seed", "5"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "2 of 2 tasks written" in res.stdout
+    task_dirs = sorted(p.parent for p in out.glob("*/task.toml"))
+    assert len(task_dirs) == 2
+    task = load_task(task_dirs[0])
+    assert task.metadata.source == "mutation"
+    assert grade(task, task.gold_patch).reward == 1.0
+    assert grade(task, "").reward == 0.0

@@ -53,3 +53,37 @@ def release_diff_cmd(
     typer.echo(f"wrote {report.task_dir}: {report.fail_to_pass} fail-to-pass, "
                f"{report.pass_to_pass} pass-to-pass, {len(report.flaky)} flaky dropped, "
                f"{report.files_changed} file(s) in the gold patch")
+
+
+@build_app.command("mutate")
+def mutate_cmd(
+    repo: str = typer.Option(..., "--repo", help="A Python repository whose own tests pass."),
+    out: str = typer.Option(..., "--out", help="Suite directory; each task goes to OUT/<id>."),
+    n: int = typer.Option(10, "--n", min=1, help="How many tasks to build."),
+    seed: int = typer.Option(0, "--seed", help="Same seed, same tasks."),
+    timeout: float = typer.Option(300.0, "--timeout", help="Seconds one test run may take."),
+    backend: str = typer.Option("bwrap", "--backend", help="Where tests run: bwrap (isolated) or local."),
+) -> None:
+    """Tasks from AST-level bugs (1-3 per task, across files) that break tests
+    which passed before; the gold patch restores the original code.
+    Example: atelier tasks build mutate --repo ~/src/mypkg --out suites/mut --n 50"""
+    from pathlib import Path
+
+    from atelier.tasks.mutate import build_mutation_tasks, sandbox_pytest_runner
+    from atelier.tasks.schema import TaskError
+
+    if backend not in ("bwrap", "local"):
+        raise TaskError(f"--backend must be bwrap or local, not {backend!r}", hint="use --backend bwrap")
+    if not Path(repo).is_dir():
+        raise TaskError(f"repository {repo} not found", hint="pass the directory of a Python repository")
+    report = build_mutation_tasks(Path(repo), Path(out), n=n, seed=seed,
+                                  run_tests=sandbox_pytest_runner(backend, timeout))
+    for task_id in report.tasks:
+        typer.echo(f"wrote {Path(out) / task_id}")
+    reasons: dict[str, int] = {}
+    for dropped in report.dropped:
+        reasons[dropped.reason] = reasons.get(dropped.reason, 0) + 1
+    typer.echo(f"{len(report.tasks)} of {n} tasks written; {len(report.dropped)} candidates dropped"
+               + "".join(f"\n  {count} x {reason}" for reason, count in sorted(reasons.items())))
+    if not report.tasks:
+        raise typer.Exit(1)

@@ -45,6 +45,7 @@ from pathlib import Path, PurePosixPath
 from typing import Callable, Iterator, Sequence
 
 from atelier.errors import AtelierError
+from atelier.sandbox.base import SandboxConfig
 from atelier.tasks.junit import JUnitError, parse_junit
 
 
@@ -603,6 +604,43 @@ def run_pytest_local(repo_dir: Path, timeout: float = 300.0, python: str = sys.e
     return statuses
 
 
+def sandbox_pytest_runner(backend: str = "bwrap", timeout: float = 300.0) -> Runner:
+    """A `run_tests` that runs the repository's pytest suite in a fresh sandbox
+    (no network, nothing of the host writable), with the same environment
+    grading uses: a venv of this Python that sees its site-packages."""
+    from atelier.sandbox import SandboxError, create_sandbox
+    from atelier.sandbox.base import WORKDIR
+    from atelier.tasks.envs import ensure_python_env, env_mounts, env_python
+    from atelier.tasks.schema import PythonEnv
+
+    venv = ensure_python_env(PythonEnv(python=f"{sys.version_info.major}.{sys.version_info.minor}",
+                                       system_site_packages=True))
+    config = SandboxConfig(backend=backend, ro_mounts=env_mounts(venv), output_limit_bytes=16 * 2**20)
+
+    def run(repo_dir: Path) -> dict[str, str]:
+        report = "/tmp/atelier-mutate-junit.xml"
+        argv = [env_python(venv), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "junit_family=xunit1",
+                "--continue-on-collection-errors", f"--junitxml={report}"]
+        env = {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": f"{WORKDIR}:{WORKDIR}/src"}
+        with create_sandbox(repo_dir, config) as sb:
+            res = sb.exec(argv, timeout=timeout, env=env)
+            if res.timed_out:
+                raise TimeoutError(f"pytest ran past {timeout:g}s")
+            xml = sb.exec(["cat", report])
+        if res.exit_code not in (0, 1) or xml.exit_code != 0:
+            raise TestRunError(f"pytest exited {res.exit_code} with no usable report: "
+                               f"{(res.stdout + res.stderr)[-500:]}")
+        try:
+            statuses = dict(parse_junit(xml.stdout))
+        except (JUnitError, SandboxError) as e:
+            raise TestRunError(str(e)) from None
+        if not statuses:
+            raise TestRunError("pytest reported no tests")
+        return statuses
+
+    return run
+
+
 # --- building tasks ---------------------------------------------------------------
 
 _IGNORE = shutil.ignore_patterns(
@@ -687,35 +725,40 @@ def _try(work: Path, files: dict[str, str], muts: Sequence[Mutation], run: Runne
 
 def _write_task(out: Path, work: Path, repo_name: str, files: dict[str, str], muts: Sequence[Mutation],
                 outcome: Outcome, seed: int) -> str:
+    """Write one task in the standard layout (`atelier.tasks.writer`): the
+    mutated repository is the base state, the original code is the gold fix,
+    and the files of the target tests are hidden tests (restored at grading)."""
+    from atelier.tasks.schema import PythonEnv, TaskMetadata, TaskSpec, node_file
+    from atelier.tasks.writer import write_task
+
     f2p, p2p = outcome
     key = "|".join(sorted(f"{m.path}:{m.start}:{m.end}:{m.mutated}" for m in muts))
     task_id = f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', repo_name)}-mut-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
-    task_dir = out / task_id
-    if task_dir.exists():
-        shutil.rmtree(task_dir)
-    shutil.copytree(work, task_dir / "repo", ignore=_IGNORE, symlinks=True)
     mutated = apply_mutations(files, muts)
     changed = sorted({m.path for m in muts})
-    for path in changed:
-        (task_dir / "repo" / path).write_bytes(mutated[path].encode())
     patch = gold_patch({p: mutated[p] for p in changed}, {p: files[p] for p in changed})
-    (task_dir / "gold.patch").write_text(patch)
-    task = {
-        "id": task_id,
-        "prompt": terse_prompt(muts, f2p),
-        "fail_to_pass": f2p,
-        "pass_to_pass": p2p,
-        "metadata": {
-            "source": "mutation",
-            "category": sorted({m.operator for m in muts}),
-            "files_changed": changed,
-            "lines_changed": _count_changed_lines(patch),
-            "seed": seed,
-            "mutations": [{"operator": m.operator, "path": m.path, "line": m.line, "function": m.function}
-                          for m in muts],
-        },
-    }
-    (task_dir / "task.json").write_text(json.dumps(task, indent=2) + "\n")
+    test_files = sorted({node_file(t) for t in f2p})
+    spec = TaskSpec(
+        id=task_id,
+        prompt=terse_prompt(muts, f2p),
+        env=PythonEnv(python=f"{sys.version_info.major}.{sys.version_info.minor}",
+                      system_site_packages=True),
+        fail_to_pass=f2p,
+        pass_to_pass=p2p,
+        metadata=TaskMetadata(source="mutation", category=",".join(sorted({m.operator for m in muts})),
+                              files_changed=len(changed), lines_changed=_count_changed_lines(patch)),
+    )
+    with tempfile.TemporaryDirectory(prefix="atelier-mutant-") as tmp:
+        base = Path(tmp) / "repo"
+        shutil.copytree(work, base, ignore=_IGNORE, symlinks=True)
+        for path in changed:
+            (base / path).write_bytes(mutated[path].encode())
+        task = write_task(out / task_id, spec, base, {t: _read(work / t) for t in test_files}, patch,
+                          overwrite=True)
+    # What was mutated, for people reading the suite (outside repo/: never shown to the agent).
+    (task.root / "mutations.json").write_text(json.dumps(
+        {"seed": seed, "mutations": [{"operator": m.operator, "path": m.path, "line": m.line,
+                                      "function": m.function} for m in muts]}, indent=2) + "\n")
     return task_id
 
 
@@ -724,7 +767,7 @@ def build_mutation_tasks(
     max_k: int = 3, clean_runs: int = 2, max_attempts: int | None = None,
 ) -> BuildReport:
     """Write up to `n` mutation tasks of `repo` under `out` (one directory each:
-    `repo/`, `gold.patch`, `task.json`) and `out/build_report.json`.
+    `task.toml`, `repo/`, `tests/`, `gold.patch`) and `out/build_report.json`.
 
     `run_tests(repo_dir) -> {test_id: status}` runs the suite in a directory
     (default: `run_pytest_local`); it may raise `TimeoutError` or
