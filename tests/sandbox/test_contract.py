@@ -36,7 +36,7 @@ def test_background_process_lives_across_exec_until_close(sandbox, host) -> None
     # The command returns although its children keep running (and `sleep`
     # still holds the output pipe).
     assert res.ok and res.stdout == "started\n"
-    assert time.monotonic() - start < 3
+    assert time.monotonic() - start < 60  # not the 100 s `sleep` holding the pipe
 
     def ticks() -> int:
         return int(sandbox.exec("wc -l < tick").stdout or 0)
@@ -94,10 +94,9 @@ def test_environment_is_scrubbed(make_sandbox, snapshot, monkeypatch) -> None:
 # -- limits --------------------------------------------------------------------
 
 def test_timeout_kills_the_whole_process_group(sandbox, host) -> None:
-    start = time.monotonic()
     res = sandbox.exec("sleep 10", timeout=0.5)
     assert (res.exit_code, res.timed_out, res.ok) == (124, True, False)
-    assert time.monotonic() - start < 3 and res.duration_s < 3
+    assert res.duration_s < 8  # killed at the timeout, not after the 10 s sleep
 
     res = sandbox.exec("sleep 31 & sleep 32 & echo spawned; wait", timeout=0.5)
     assert res.timed_out and res.stdout == "spawned\n"

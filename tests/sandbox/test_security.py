@@ -213,7 +213,6 @@ def test_symlinks_in_the_snapshot_do_not_reach_the_host(make_sandbox, tmp_path, 
 
 def test_special_files_do_not_hang_the_host(sandbox) -> None:
     assert sandbox.exec("mkfifo fifo && ln -s fifo fifolink && mkdir d && ln -s d dirlink").ok
-    start = time.monotonic()
     for path in ("fifo", "fifolink", "d", "dirlink"):
         with pytest.raises(SandboxPathError):
             sandbox.read_file(path)
@@ -222,24 +221,20 @@ def test_special_files_do_not_hang_the_host(sandbox) -> None:
             sandbox.write_file(path, "x")
     patch = sandbox.diff()  # a FIFO is not a file to diff; the links are
     assert "a/fifo b/fifo" not in patch and "b/fifolink\nnew file mode 120000" in patch
-    assert time.monotonic() - start < 5
+    # A hang here would be caught by the suite's per-test timeout; no wall-clock bound.
 
 
 # -- processes -----------------------------------------------------------------
 
 def test_fork_bomb_is_contained(make_sandbox, snapshot, host) -> None:
     sb = make_sandbox(snapshot, max_processes=64, timeout_s=5)
-    start = time.monotonic()
     sb.exec("bash -c ':(){ :|:& };:'", timeout=5)
     time.sleep(1.0)  # let it fill its cap
-    assert time.monotonic() - start < 5 + 1 + 4  # the timeout, the pause, slack
     assert len(host.sandbox_procs(sb)) <= 64 + 2
     assert subprocess.run(["true"], timeout=5).returncode == 0  # the host still forks
     procs = host.sandbox_procs(sb)
-    start = time.monotonic()
     sb.close()
-    assert host.wait_until(lambda: not host.alive(procs))
-    assert time.monotonic() - start < 5
+    assert host.wait_until(lambda: not host.alive(procs), timeout=30)
 
 
 def test_memory_bomb_ends(make_sandbox, snapshot) -> None:
