@@ -97,3 +97,12 @@ def test_timeout_is_an_infrastructure_error() -> None:
     r = score(F2P, P2P, None, 124, timed_out=True, timeout_s=2)
     assert r.reward == 0.0 and r.infra_error and "timed out after 2 s" in r.error
     assert r.tests == {"t.py::f": "missing", "t.py::p": "missing"}
+
+
+def test_inherited_test_methods_are_named_by_the_collecting_module() -> None:
+    from atelier.tasks.junit import node_id
+
+    # xunit1 gives the file that defines the method (a base class elsewhere).
+    node = node_id("tests.test_lru.LRUCacheTest", "test_defaults", "tests/__init__.py",
+                   {"tests.test_lru": "tests/test_lru.py"})
+    assert node == "tests/test_lru.py::LRUCacheTest::test_defaults"

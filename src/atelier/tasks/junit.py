@@ -51,8 +51,10 @@ def node_id(classname: str, name: str, file: str | None = None,
     if file:
         file = file.replace("\\", "/")
         module = _module_of(file).split(".")
-        classes = parts[len(module):] if parts[: len(module)] == module else _classes_guess(parts)
-        return "::".join([file, *classes, name])
+        if parts[: len(module)] == module:
+            return "::".join([file, *parts[len(module):], name])
+        # `file` names where an inherited test method is defined, not the
+        # module that collected it: fall back to the classname below.
     for i in range(len(parts), 0, -1):  # longest matching module wins
         path = (modules or {}).get(".".join(parts[:i]))
         if path is not None:
