@@ -17,18 +17,20 @@ import pytest
 from atelier.tasks.loader import load_task
 from atelier.tasks.mutate import (
     OPERATORS,
-    BuildReport,
     Mutation,
-    MutationBuildError,
-    _try,
     apply_mutations,
-    build_mutation_tasks,
     enumerate_mutations,
     gold_patch,
-    run_pytest_local,
     sample_combinations,
-    source_files,
     terse_prompt,
+)
+from atelier.tasks.mutation_tasks import (
+    BuildReport,
+    MutationBuildError,
+    _try,
+    build_mutation_tasks,
+    run_pytest_local,
+    source_files,
 )
 
 

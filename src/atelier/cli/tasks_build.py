@@ -69,7 +69,7 @@ def mutate_cmd(
     Example: atelier tasks build mutate --repo ~/src/mypkg --out suites/mut --n 50"""
     from pathlib import Path
 
-    from atelier.tasks.mutate import build_mutation_tasks, sandbox_pytest_runner
+    from atelier.tasks.mutation_tasks import build_mutation_tasks, sandbox_pytest_runner
     from atelier.tasks.schema import TaskError
 
     if backend not in ("bwrap", "local"):

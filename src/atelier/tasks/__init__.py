@@ -6,6 +6,12 @@ honest grading.
 - `envs`: `ensure_env(task)`, one shared read-only venv per Python+requirements.
 - `junit`: JUnit XML → `{node id: status}` (pure).
 - `grade`: `grade(task, patch | sandbox) -> GradeResult`; `score` is the pure part.
+- `writer`: `write_task(...)`, the one way builders and importers write a task.
+- `validate`, `stats`: gold passes three times and the empty patch fails;
+  prompt and patch sizes beside the reference benchmark's.
+- Builders: `release` (+ `changelog`) for consecutive releases of a package;
+  `mutate` (operators, pure) and `mutation_tasks` (running and writing).
+- Importers: `swebench`, `harbor`.
 
 Heavy parts are not imported here: `from atelier.tasks.grade import grade`.
 """
