@@ -6,34 +6,17 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import stat
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
 
-from atelier.sandbox.base import SandboxConfig, SandboxUnavailable
+from atelier.sandbox.base import SandboxConfig
 
 HostProc = tuple[int, int]
 """A host process as (pid, start time in clock ticks): a pid alone may be reused."""
-
-
-@pytest.fixture(scope="session")
-def bwrap_ready() -> None:
-    """Skip when this machine cannot run bubblewrap sandboxes, saying why."""
-    if shutil.which("bwrap") is None:
-        pytest.skip("bubblewrap (`bwrap`) is not on PATH")
-    from atelier.sandbox.bwrap import BwrapSandbox, check_available
-
-    try:
-        check_available()
-        with tempfile.TemporaryDirectory() as empty:
-            BwrapSandbox(empty, SandboxConfig(timeout_s=5)).close()
-    except SandboxUnavailable as exc:
-        pytest.skip(f"bubblewrap sandboxes cannot run here: {exc}")
 
 
 def write_tree(root: Path, files: dict[str, bytes | str]) -> Path:

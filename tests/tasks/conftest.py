@@ -5,14 +5,11 @@ cache, and a skip when bubblewrap cannot run."""
 from __future__ import annotations
 
 import difflib
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable
 
 import pytest
 
-from atelier.sandbox.base import SandboxConfig, SandboxUnavailable
 
 OPS = "def add(a, b):\n    return a - b\n\n\ndef sub(a, b):\n    return a - b\n"
 OPS_FIXED = OPS.replace("return a - b", "return a + b", 1)
@@ -103,20 +100,6 @@ def env_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     envs = tmp_path_factory.mktemp("cache") / "envs"
     envs.mkdir()
     return envs
-
-
-@pytest.fixture(scope="session")
-def bwrap_ready() -> None:
-    if shutil.which("bwrap") is None:
-        pytest.skip("bubblewrap (`bwrap`) is not on PATH")
-    from atelier.sandbox.bwrap import BwrapSandbox, check_available
-
-    try:
-        check_available()
-        with tempfile.TemporaryDirectory() as empty:
-            BwrapSandbox(empty, SandboxConfig(timeout_s=5)).close()
-    except SandboxUnavailable as exc:
-        pytest.skip(f"bubblewrap sandboxes cannot run here: {exc}")
 
 
 class Helpers:

@@ -5,8 +5,7 @@ only typer at the top. Every command imports its heavy module (torch, ray,
 the sandbox backends) inside its own function body, after the arguments are
 parsed. Sub-apps live in their own modules (`atelier.cli.sandbox` defines
 `sandbox_app`, `atelier.cli.tasks` defines `tasks_app`) and are attached by
-`register_subcommands`, which tolerates a sub-app module that does not exist
-yet.
+`register_subcommands`.
 
 `main` turns every `AtelierError` (a user error: bad config, missing tool)
 into `error: ...` / `hint: ...` on stderr and exit status 2, never a
@@ -46,28 +45,16 @@ def _root(
 
 
 def register_subcommands() -> None:
-    """Attach the sub-apps to `app`; one whose module is not written yet is empty.
-
-    Only the sub-app module itself being absent is tolerated: an ImportError
-    from inside an existing module is a real bug and propagates.
-    """
+    """Attach the sub-apps to `app` (once)."""
     global _registered
     if _registered:
         return
     _registered = True
-    try:
-        from atelier.cli.sandbox import sandbox_app
-    except ModuleNotFoundError as exc:
-        if exc.name != "atelier.cli.sandbox":
-            raise
-        sandbox_app = typer.Typer(help="Isolated coding environments.", no_args_is_help=True)
+    # Each sub-app module imports only typer at its top, so this stays cheap.
+    from atelier.cli.sandbox import sandbox_app
+    from atelier.cli.tasks import tasks_app
+
     app.add_typer(sandbox_app, name="sandbox")
-    try:
-        from atelier.cli.tasks import tasks_app
-    except ModuleNotFoundError as exc:
-        if exc.name != "atelier.cli.tasks":
-            raise
-        tasks_app = typer.Typer(help="Tasks: show, grade.", no_args_is_help=True)
     app.add_typer(tasks_app, name="tasks")
 
 
