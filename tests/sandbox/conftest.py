@@ -167,7 +167,7 @@ def alive(procs: set[HostProc]) -> set[HostProc]:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 state = f.read().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # it exited between the two reads
             continue
         if state not in ("Z", "X"):
             out.add((pid, start))
