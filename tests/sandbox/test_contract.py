@@ -128,6 +128,12 @@ def test_disk_cap(make_sandbox, snapshot) -> None:
     assert sb.exec("rm -f big /tmp/big").ok
     with pytest.raises(SandboxLimitExceeded):
         sb.write_file("big.dat", b"\0" * 20_000_000)
+    # A failed write leaves nothing behind, and an existing file as it was.
+    sb.write_file("keep.txt", "old\n")
+    with pytest.raises(SandboxLimitExceeded):
+        sb.write_file("keep.txt", b"\0" * 20_000_000)
+    assert sb.read_file("keep.txt") == "old\n"
+    assert "big.dat" not in sb.exec("ls -A").stdout and ".atelier-" not in sb.exec("ls -A").stdout
 
 
 def test_memory_limit(make_sandbox, snapshot) -> None:

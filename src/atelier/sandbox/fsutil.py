@@ -71,14 +71,30 @@ def read_beneath(root_fd: int, relpath: str) -> bytes:
 
 
 def write_beneath(root_fd: int, relpath: str, data: bytes, mode: int = 0o644) -> None:
+    """Write through a temporary file and a rename, so a failed write (the disk
+    cap) leaves the old file as it was, never half a file."""
     parent, name = _split(relpath)
     with open_dir(root_fd, parent, create=True) as dfd:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-        fd = os.open(name, flags, mode, dir_fd=dfd)
-        with os.fdopen(fd, "wb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        if st is not None:
+            if not stat.S_ISREG(st.st_mode):
                 raise IsADirectoryError(errno.EISDIR, "not a regular file", relpath)
-            f.write(data)
+            mode = stat.S_IMODE(st.st_mode)
+        tmp = f".{name}.atelier-{os.urandom(4).hex()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dfd)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except FileNotFoundError:
+                pass
+            raise
 
 
 def entry_beneath(root_fd: int, relpath: str) -> Entry | None:
