@@ -53,6 +53,32 @@ def snapshot(tmp_path: Path) -> Path:
     return write_tree(tmp_path / "snapshot", SNAPSHOT_FILES)
 
 
+@pytest.fixture
+def hello_repo(tmp_path: Path, bwrap_ready: None) -> Path:
+    """The smallest repository: one text file."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "hello.txt").write_text("hello\n")
+    return repo
+
+
+def snapshot_processes(snapshot: Path) -> list[int]:
+    """Running (not zombie) processes whose command line names the snapshot:
+    the bwrap processes of sandboxes over it."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if str(snapshot).encode() in cmdline and state != "Z":
+            pids.append(int(proc.name))
+    return pids
+
+
 class Sandboxes:
     """Creates bubblewrap sandboxes and closes every one at the end of the test
     (forks too, once passed to `track`)."""
@@ -193,6 +219,7 @@ class Host:
     alive = staticmethod(alive)
     cmdline = staticmethod(cmdline)
     wait_until = staticmethod(wait_until)
+    snapshot_processes = staticmethod(snapshot_processes)
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from atelier.sandbox import SandboxClosed, SandboxConfig, SandboxUnavailable, SnapshotMissing, create_sandbox
+from atelier.sandbox import SandboxClosed, SandboxConfig, SnapshotMissing
 from atelier.sandbox.pool import PoolExhausted, SandboxPool, percentile
 from atelier.sandbox.pressure import (
     CpuPressure,
@@ -65,32 +65,8 @@ def test_percentile_and_live_reading() -> None:
 # -- real sandboxes ------------------------------------------------------------
 
 @pytest.fixture
-def snapshot(tmp_path: Path) -> Path:
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    (repo / "hello.txt").write_text("hello\n")
-    try:
-        create_sandbox(repo, CONFIG).close()
-    except SandboxUnavailable as exc:
-        pytest.skip(f"bubblewrap sandboxes unavailable here: {exc}")
-    return repo
-
-
-def sandbox_processes(snapshot: Path) -> list[int]:
-    """Running (not zombie) processes whose command line names the snapshot:
-    the bwrap processes of sandboxes over it."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if str(snapshot).encode() in cmdline and state != "Z":
-            pids.append(int(proc.name))
-    return pids
+def snapshot(hello_repo: Path) -> Path:
+    return hello_repo
 
 
 def wait_for(predicate, timeout: float = 10.0) -> None:
@@ -205,22 +181,22 @@ def test_admission_wait_is_bounded(snapshot: Path) -> None:
         assert pool.stats()["deferred"] == 1
 
 
-def test_close_reaps_everything(snapshot: Path) -> None:
+def test_close_reaps_everything(snapshot: Path, host) -> None:
     pool = SandboxPool(CONFIG, max_live=3, warm=1, **CALM)
     live = [pool.acquire(snapshot), pool.acquire(snapshot)]
     live[0].exec("sleep 300 >/dev/null 2>&1 &")
     wait_for(lambda: pool.stats()["warm"] == 1)
-    assert sandbox_processes(snapshot)
+    assert host.snapshot_processes(snapshot)
     pool.close()
     assert all(sb.closed for sb in live)
     stats = pool.stats()
     assert stats["live"] == 0 and stats["warm"] == 0 and stats["creating"] == 0
-    wait_for(lambda: not sandbox_processes(snapshot), timeout=5)
+    wait_for(lambda: not host.snapshot_processes(snapshot), timeout=5)
     with pytest.raises(SandboxClosed):
         pool.acquire(snapshot)
 
 
-def test_close_wakes_a_blocked_acquire(snapshot: Path) -> None:
+def test_close_wakes_a_blocked_acquire(snapshot: Path, host) -> None:
     pool = SandboxPool(CONFIG, max_live=1, **CALM)
     pool.acquire(snapshot)
     errors: list[BaseException] = []
@@ -237,4 +213,4 @@ def test_close_wakes_a_blocked_acquire(snapshot: Path) -> None:
     pool.close()
     waiter.join(10)
     assert len(errors) == 1 and not waiter.is_alive()
-    wait_for(lambda: not sandbox_processes(snapshot), timeout=5)
+    wait_for(lambda: not host.snapshot_processes(snapshot), timeout=5)

@@ -12,9 +12,7 @@ from atelier.sandbox import (
     SandboxClosed,
     SandboxConfig,
     SandboxPathError,
-    SandboxUnavailable,
     SnapshotMissing,
-    create_sandbox,
 )
 from atelier.sandbox.pool import PoolExhausted
 from atelier.sandbox.ray_pool import RaySandboxPool, RayUnavailable, SandboxHost
@@ -25,35 +23,13 @@ CALM = dict(min_available_mb=0, max_load_per_cpu=1e9, max_cpu_pressure=101.0)
 
 
 @pytest.fixture
-def snapshot(tmp_path: Path) -> Path:
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    (repo / "hello.txt").write_text("hello\n")
-    try:
-        create_sandbox(repo, CONFIG).close()
-    except SandboxUnavailable as exc:
-        pytest.skip(f"bubblewrap sandboxes unavailable here: {exc}")
-    return repo
+def snapshot(hello_repo: Path) -> Path:
+    return hello_repo
 
 
-def sandbox_processes(snapshot: Path) -> list[int]:
-    """Running processes whose command line names the snapshot (its sandboxes'
-    bwrap processes), as in test_pool."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        try:
-            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if str(snapshot).encode() in cmdline and state != "Z":
-            pids.append(int(proc.name))
-    return pids
-
-
-def no_sandbox_processes(snapshot: Path, timeout: float = 5.0) -> bool:
+def no_sandbox_processes(host, snapshot: Path, timeout: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout
-    while sandbox_processes(snapshot):
+    while host.snapshot_processes(snapshot):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
@@ -94,7 +70,7 @@ def ray_instance():
 
 
 @pytest.mark.ray
-def test_remote_sandbox_roundtrip(ray_instance, snapshot: Path) -> None:
+def test_remote_sandbox_roundtrip(ray_instance, snapshot: Path, host) -> None:
     with RaySandboxPool(CONFIG, max_live=2, warm=1, **CALM) as pool:
         sb = pool.acquire(snapshot)
         chunks: list[tuple[str, bytes]] = []
@@ -130,7 +106,7 @@ def test_remote_sandbox_roundtrip(ray_instance, snapshot: Path) -> None:
         assert stats["create_p50_ms"] > 0
         remaining = pool.acquire(snapshot)
     assert remaining.closed  # the pool's close reaped it
-    assert no_sandbox_processes(snapshot)
+    assert no_sandbox_processes(host, snapshot)
     with pytest.raises(SandboxClosed):
         pool.acquire(snapshot)
 
