@@ -13,14 +13,11 @@ from typing import List
 
 import typer
 
+from atelier.cli.options import Backend
+
 class Network(str, enum.Enum):
     none = "none"
     host = "host"
-
-
-class Backend(str, enum.Enum):
-    bwrap = "bwrap"
-    local = "local"
 
 
 sandbox_app = typer.Typer(help="Isolated coding environments.", no_args_is_help=True)

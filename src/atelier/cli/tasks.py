@@ -5,11 +5,12 @@ Heavy modules are imported inside the commands so `atelier --help` stays fast.
 
 from __future__ import annotations
 
-import enum
 import json
 from pathlib import Path
 
 import typer
+
+from atelier.cli.options import Backend
 
 from atelier.cli.tasks_build import build_app
 from atelier.cli.tasks_import import import_app
@@ -17,11 +18,6 @@ from atelier.cli.tasks_import import import_app
 tasks_app = typer.Typer(help="Tasks: build, import, show, grade, validate, stats.", no_args_is_help=True)
 tasks_app.add_typer(build_app, name="build")
 tasks_app.add_typer(import_app, name="import")
-
-
-class Backend(str, enum.Enum):
-    bwrap = "bwrap"
-    local = "local"
 
 
 @tasks_app.command("grade")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import typer
 
+from atelier.cli.options import Backend
+
 build_app = typer.Typer(help="Build tasks from real code.", no_args_is_help=True)
 
 
@@ -21,7 +23,7 @@ def release_diff_cmd(
     runs: int = typer.Option(3, "--runs", min=1, help="Test runs per side; tests must agree in all."),
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds one test run may take."),
     no_deps: bool = typer.Option(False, "--no-deps", help="Install none of the package's requirements."),
-    backend: str = typer.Option("bwrap", "--backend", help="bwrap (isolated) or local (isolates nothing)."),
+    backend: Backend = typer.Option(Backend.bwrap, "--backend", help="bwrap (isolated) or local (isolates nothing)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing task directory."),
 ) -> None:
     """A task from two consecutive releases: base = older, gold = the non-test diff,
@@ -29,8 +31,6 @@ def release_diff_cmd(
     Example: atelier tasks build release-diff --package cachetools --from 5.1.0 --to 5.2.0 --out suites/rel"""
     from atelier.tasks.schema import TaskError
 
-    if backend not in ("bwrap", "local"):
-        raise TaskError(f"--backend must be bwrap or local, not {backend!r}", hint="use --backend bwrap")
     local = old_dir is not None or new_dir is not None
     if local and (old_dir is None or new_dir is None):
         raise TaskError("--old-dir and --new-dir go together", hint="pass both release directories")
@@ -39,7 +39,7 @@ def release_diff_cmd(
                         hint="pass --package NAME --from A --to B, or --old-dir A --new-dir B")
     from atelier.tasks import release
 
-    kw = dict(runner=release.sandbox_runner(backend), runs=runs, timeout_s=timeout,
+    kw = dict(runner=release.sandbox_runner(backend.value), runs=runs, timeout_s=timeout,
               progress=lambda msg: typer.echo(msg, err=True), overwrite=overwrite,
               requirements=[] if no_deps else None)
     if local:
@@ -62,7 +62,7 @@ def mutate_cmd(
     n: int = typer.Option(10, "--n", min=1, help="How many tasks to build."),
     seed: int = typer.Option(0, "--seed", help="Same seed, same tasks."),
     timeout: float = typer.Option(300.0, "--timeout", help="Seconds one test run may take."),
-    backend: str = typer.Option("bwrap", "--backend", help="Where tests run: bwrap (isolated) or local."),
+    backend: Backend = typer.Option(Backend.bwrap, "--backend", help="Where tests run: bwrap (isolated) or local."),
 ) -> None:
     """Tasks from AST-level bugs (1-3 per task, across files) that break tests
     which passed before; the gold patch restores the original code.
@@ -72,12 +72,10 @@ def mutate_cmd(
     from atelier.tasks.mutation_tasks import build_mutation_tasks, sandbox_pytest_runner
     from atelier.tasks.schema import TaskError
 
-    if backend not in ("bwrap", "local"):
-        raise TaskError(f"--backend must be bwrap or local, not {backend!r}", hint="use --backend bwrap")
     if not Path(repo).is_dir():
         raise TaskError(f"repository {repo} not found", hint="pass the directory of a Python repository")
     report = build_mutation_tasks(Path(repo), Path(out), n=n, seed=seed,
-                                  run_tests=sandbox_pytest_runner(backend, timeout))
+                                  run_tests=sandbox_pytest_runner(backend.value, timeout))
     for task_id in report.tasks:
         typer.echo(f"wrote {Path(out) / task_id}")
     reasons: dict[str, int] = {}

@@ -7,18 +7,14 @@ with the reason, and exits 1 when any failed.
 
 from __future__ import annotations
 
-import enum
 import json
 from pathlib import Path
 
 import typer
 
+from atelier.cli.options import Backend
+
 import_app = typer.Typer(help="Import tasks from other benchmark formats.", no_args_is_help=True)
-
-
-class Backend(str, enum.Enum):
-    bwrap = "bwrap"
-    local = "local"
 
 
 def _report(report: dict, out: Path, as_json: bool) -> None:
