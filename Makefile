@@ -17,15 +17,20 @@ $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PIP) -e '.[test,ray]'
 	@touch $@
 
-# bubblewrap provides the sandboxes. Installed with apt when missing and we
-# are root; otherwise we say how to get it (the tests that need it then skip).
+# bubblewrap provides the sandboxes; chromium renders the HTML report in its
+# test. Installed with apt when missing and we are root; otherwise we say how
+# to get them (the tests that need them then skip, saying why).
+SYSTEM_PACKAGES := bwrap:bubblewrap chromium:chromium
 system-deps:
-	@command -v bwrap >/dev/null 2>&1 || { \
+	@missing=""; for pair in $(SYSTEM_PACKAGES); do \
+	  command -v "$${pair%%:*}" >/dev/null 2>&1 || missing="$$missing $${pair#*:}"; done; \
+	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    (apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null) || echo "warning: could not install bubblewrap"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
+	      || echo "warning: could not install:$$missing"; \
 	  else \
-	    echo "note: bubblewrap is missing; install it with your package manager (Debian/Ubuntu: sudo apt-get install bubblewrap)"; \
-	  fi; }
+	    echo "note: missing system packages:$$missing (Debian/Ubuntu: sudo apt-get install$$missing)"; \
+	  fi; fi
 
 demo: $(STAMP) system-deps
 	$(VENV)/bin/atelier sandbox bench

@@ -23,3 +23,11 @@ def bwrap_ready() -> None:
             BwrapSandbox(empty, SandboxConfig(timeout_s=5)).close()
     except SandboxUnavailable as exc:
         pytest.skip(f"bubblewrap sandboxes cannot run here: {exc}")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny random Llama model with a ChatML BPE tokenizer, built once per test session."""
+    from atelier.inference.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))

@@ -3,9 +3,9 @@
 `atelier --help` must answer in well under a second, so this module imports
 only typer at the top. Every command imports its heavy module (torch, ray,
 the sandbox backends) inside its own function body, after the arguments are
-parsed. Sub-apps live in their own modules (`atelier.cli.sandbox` defines
-`sandbox_app`, `atelier.cli.tasks` defines `tasks_app`) and are attached by
-`register_subcommands`.
+parsed. Each command group lives in its own module of `atelier.cli` that
+defines `register(app)`; `register_subcommands` finds those modules by listing
+the package, so adding a command never touches this file.
 
 `main` turns every `AtelierError` (a user error: bad config, missing tool)
 into `error: ...` / `hint: ...` on stderr and exit status 2, never a
@@ -45,17 +45,27 @@ def _root(
 
 
 def register_subcommands() -> None:
-    """Attach the sub-apps to `app` (once)."""
+    """Attach every command module's commands to `app` (once).
+
+    A module of `atelier.cli` takes part by defining `register(app)`; each
+    imports only typer at its top, so this stays cheap.
+    """
     global _registered
     if _registered:
         return
     _registered = True
-    # Each sub-app module imports only typer at its top, so this stays cheap.
-    from atelier.cli.sandbox import sandbox_app
-    from atelier.cli.tasks import tasks_app
+    import importlib
+    import pkgutil
 
-    app.add_typer(sandbox_app, name="sandbox")
-    app.add_typer(tasks_app, name="tasks")
+    import atelier.cli as package
+
+    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+        if info.name in {"main", "__main__", "options"}:
+            continue
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        register = getattr(module, "register", None)
+        if callable(register):
+            register(app)
 
 
 def main(argv: list[str] | None = None) -> None:

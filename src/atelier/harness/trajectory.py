@@ -1,0 +1,128 @@
+"""The record of one agent episode, token-exact.
+
+A trajectory is a list of *segments*. A segment is one growing token buffer:
+the prompt, then every model turn's sampled tokens appended verbatim, then
+each tool observation's tokens appended, and so on. Sampled tokens carry
+`loss_mask=1`, their sampler logprob and the policy version that produced
+each of them; prompt and tool-output tokens carry `loss_mask=0`, logprob 0.0
+and version -1. Earlier tokens are never re-tokenized, so what the trainer
+sees is exactly what was sampled. When the context is rebuilt (a
+self-summary), a new segment starts; the chain of segments is one trajectory
+and every segment receives the episode's reward.
+
+`messages` keeps the same conversation as chat messages (for display,
+the report's viewer, SFT data and chat-only backends).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+NOT_SAMPLED = -1
+
+
+@dataclass
+class Segment:
+    """One context window's token buffer."""
+
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def extend_prompt(self, token_ids: list[int]) -> None:
+        """Append tokens the model did not sample (prompt, tool output)."""
+        self.token_ids.extend(token_ids)
+        self.loss_mask.extend([0] * len(token_ids))
+        self.logprobs.extend([0.0] * len(token_ids))
+        self.versions.extend([NOT_SAMPLED] * len(token_ids))
+
+    def extend_sampled(self, token_ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+        """Append tokens exactly as the sampler produced them."""
+        if not (len(token_ids) == len(logprobs) == len(versions)):
+            raise ValueError("sampled tokens, logprobs and versions must have equal lengths")
+        self.token_ids.extend(token_ids)
+        self.loss_mask.extend([1] * len(token_ids))
+        self.logprobs.extend(logprobs)
+        self.versions.extend(versions)
+
+    @property
+    def sampled_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class ToolCallRecord:
+    """One tool call as the model wrote it and what it returned."""
+
+    turn: int
+    name: str
+    arguments: dict[str, Any]
+    output: str
+    ok: bool                       # False: the call was broken (bad JSON, unknown tool, bad args) or failed
+    broken: bool = False           # True only for malformed calls (counted for the broken-call penalty)
+    duration_s: float = 0.0
+
+
+@dataclass
+class Trajectory:
+    task_id: str
+    model: str = ""
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
+    tool_calls: list[ToolCallRecord] = field(default_factory=list)
+    turns: int = 0
+    summaries: int = 0
+    # Tokens by kind: "prompt", "completion", "tool_call", "tool_output", "final_message", "summary".
+    tokens: dict[str, int] = field(default_factory=dict)
+    todos: list[dict[str, Any]] = field(default_factory=list)
+    final_diff: str = ""
+    exit_reason: str = ""          # "submitted", "max_turns", "max_tokens", "wall_time", "format_error", "error"
+    error: str | None = None       # error type and message when the episode ended on an exception
+    reward: float | None = None
+    reward_parts: dict[str, float] = field(default_factory=dict)
+    wall_s: float = 0.0
+    limits: dict[str, Any] = field(default_factory=dict)   # the limits this run used (PITFALLS: record them)
+
+    @property
+    def num_tool_calls(self) -> int:
+        return len(self.tool_calls)
+
+    @property
+    def broken_calls(self) -> int:
+        return sum(1 for call in self.tool_calls if call.broken)
+
+    def add_tokens(self, kind: str, count: int) -> None:
+        self.tokens[kind] = self.tokens.get(kind, 0) + count
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["num_tool_calls"] = self.num_tool_calls
+        data["broken_calls"] = self.broken_calls
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Trajectory":
+        data = {k: v for k, v in data.items() if k not in {"num_tool_calls", "broken_calls"}}
+        data["segments"] = [Segment(**s) for s in data.get("segments", [])]
+        data["tool_calls"] = [ToolCallRecord(**c) for c in data.get("tool_calls", [])]
+        return cls(**data)
+
+    def save(self, path: str | Path) -> Path:
+        """Write as JSON through a temporary file, so a crash never leaves half a record."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict()) + "\n", encoding="utf-8")
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Trajectory":
+        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))

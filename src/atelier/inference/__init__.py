@@ -1,0 +1,1 @@
+"""Model loading, the local batched engine, the OpenAI-compatible server and clients."""

@@ -1,0 +1,103 @@
+"""Tiny, randomly initialised models built from a config, for tests and smoke runs.
+
+`build_tiny_model(out_dir)` writes a complete Hugging Face model directory —
+a byte-level BPE tokenizer trained on a few standard-library modules, a
+ChatML chat template (the format SmolLM2-Instruct uses, so prompts look the
+same as with the real model) and a Llama-architecture model of well under a
+million parameters — in about a second, with no download. Every byte can be
+encoded, so any text round-trips.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def _corpus() -> list[str]:
+    import json as json_module
+    import shlex
+    import string
+    import textwrap
+
+    texts = [inspect.getsource(m) for m in (textwrap, shlex, string, json_module.decoder)]
+    # The harness's own vocabulary, so tool calls are short token sequences.
+    texts.append(
+        '<tool_call>\n{"name": "read_file", "arguments": {"path": "src/app.py"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "edit_file", "arguments": {"path": "a.py", "old_string": "x", '
+        '"new_string": "y"}}\n</tool_call>\n<tool_call>\n{"name": "submit", "arguments": {}}\n</tool_call>\n'
+    )
+    return texts
+
+
+def build_tiny_tokenizer(vocab_size: int = 512):
+    """A `PreTrainedTokenizerFast` with ChatML special tokens and template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(_corpus(), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def tiny_config(vocab_size: int, **overrides):
+    from transformers import LlamaConfig
+
+    fields = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+    )
+    fields.update(overrides)
+    return LlamaConfig(**fields)
+
+
+def build_tiny_model(out_dir: str | Path, *, seed: int = 0, vocab_size: int = 512, **config_overrides) -> Path:
+    """Write a tiny Llama model and its tokenizer to `out_dir`; return the path."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tiny_tokenizer(vocab_size)
+    config = tiny_config(len(tokenizer), **config_overrides)
+    config.eos_token_id = tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    config.bos_token_id = None
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "atelier_model.json").write_text(json.dumps({"source": "tiny", "seed": seed}) + "\n")
+    return out

@@ -1,0 +1,95 @@
+"""What every generation backend speaks: token ids in; token ids, logprobs
+and policy versions out.
+
+This module imports nothing heavy, so the harness (which must not import
+torch) can type against it. Backends: the local engine
+(`atelier.inference.engine`), the `/v1/generate` HTTP client
+(`atelier.inference.client`) and the scripted model used by tests and demos.
+
+Versions are stamped per token, at the decode step that produced the token:
+a weight update that lands mid-generation shows up as a change of version
+inside one `Generation` (PITFALLS: stamping at completion mislabels tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one continuation."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    # Generation ends after any of these token ids (the id is kept in the output).
+    stop_token_ids: tuple[int, ...] = ()
+    # Generation ends once the decoded text contains any of these strings; the
+    # tokens up to and including the one that completed the string are kept.
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class Generation:
+    """One sampled continuation, token-exact."""
+
+    token_ids: list[int]
+    logprobs: list[float]          # log mu(token) under the sampling policy, one per token
+    versions: list[int]            # policy version that produced each token
+    finish_reason: FinishReason
+    text: str = ""                 # decoded token_ids, for convenience only
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not (len(self.token_ids) == len(self.logprobs) == len(self.versions)):
+            raise ValueError(
+                f"Generation lengths differ: {len(self.token_ids)} ids, "
+                f"{len(self.logprobs)} logprobs, {len(self.versions)} versions"
+            )
+
+
+@runtime_checkable
+class TokenModel(Protocol):
+    """A policy the harness can drive token-exactly.
+
+    `generate` is blocking and thread-safe: many rollouts call it at once and
+    the backend batches them. `tokenizer` is a Hugging Face tokenizer (it has
+    `encode`, `decode`, `apply_chat_template`, `eos_token_id`).
+    """
+
+    name: str
+    tokenizer: Any
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation: ...
+
+
+@dataclass
+class ChatReply:
+    """One assistant message from a chat-only backend (any OpenAI-compatible endpoint)."""
+
+    text: str
+    # Native OpenAI tool calls, normalised to {"name": str, "arguments": dict | str}.
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str = "stop"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@runtime_checkable
+class ChatModel(Protocol):
+    """A policy reached only through chat messages: no token ids, no logprobs.
+
+    Good for evaluation and deployment against hosted models; RL needs a
+    `TokenModel`.
+    """
+
+    name: str
+
+    def chat(
+        self, messages: list[dict[str, Any]], params: SamplingParams, tools: list[dict[str, Any]] | None = None
+    ) -> ChatReply: ...

@@ -1,0 +1,1 @@
+"""Asynchronous RL: objective, shaping, reconciler, trainer, weight sync, checkpoints."""

@@ -1,0 +1,52 @@
+"""What the trainer eats: one token sequence with its loss mask and the
+sampler's logprobs and versions, plus its advantage.
+
+One sample per trajectory *segment*: turns within a segment extend the same
+prefix, so they are merged into one sequence (PITFALLS: one sample per turn
+multiplies compute and advances the schedule too fast). Every segment of a
+self-summarised chain gets the episode's advantage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from atelier.harness.trajectory import Trajectory
+
+
+@dataclass
+class Sample:
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]          # sampler's log mu per token (0.0 where loss_mask is 0)
+    versions: list[int]            # policy version per token (-1 where not sampled)
+    advantage: float
+    group_id: str
+    task_id: str
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if not (len(self.loss_mask) == len(self.logprobs) == len(self.versions) == n):
+            raise ValueError("sample fields must all have one entry per token")
+
+    @property
+    def oldest_version(self) -> int:
+        sampled = [v for v, m in zip(self.versions, self.loss_mask) if m]
+        return min(sampled) if sampled else -1
+
+
+def samples_from_trajectory(traj: Trajectory, advantage: float, group_id: str) -> list[Sample]:
+    """One sample per segment that has at least one sampled token."""
+    return [
+        Sample(
+            token_ids=list(seg.token_ids),
+            loss_mask=list(seg.loss_mask),
+            logprobs=list(seg.logprobs),
+            versions=list(seg.versions),
+            advantage=advantage,
+            group_id=group_id,
+            task_id=traj.task_id,
+        )
+        for seg in traj.segments
+        if seg.sampled_tokens > 0
+    ]
