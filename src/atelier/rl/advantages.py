@@ -1,0 +1,38 @@
+"""Group advantages and group statistics (pure).
+
+Dr. GRPO style: the advantage of a sample is its reward minus the mean reward
+of its group. We do not divide by the group's standard deviation — that
+up-weights groups whose rewards barely differ (nearly solved or nearly
+hopeless tasks) and biases the gradient toward them.
+
+Rewards of samples lost to infrastructure failures arrive as `None`: they are
+excluded from the mean and get no advantage (they are retried upstream, never
+scored 0 — PITFALLS: scoring them 0 biased the advantages of their group).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+def group_advantages(rewards: Sequence[float | None]) -> list[float | None]:
+    """reward - mean(valid rewards) for each valid entry; None stays None."""
+    valid = [r for r in rewards if r is not None]
+    if not valid:
+        return [None for _ in rewards]
+    mean = sum(valid) / len(valid)
+    return [None if r is None else r - mean for r in rewards]
+
+
+def group_stats(rewards: Sequence[float | None], passed: Sequence[bool | None]) -> dict[str, float]:
+    """Mean reward, pass rate and best-of-K over the valid members of one group."""
+    valid = [r for r in rewards if r is not None]
+    ok = [bool(p) for p in passed if p is not None]
+    if not valid:
+        return {"reward_mean": 0.0, "pass_rate": 0.0, "best_of_k": 0.0, "valid": 0.0}
+    return {
+        "reward_mean": sum(valid) / len(valid),
+        "pass_rate": sum(ok) / len(ok) if ok else 0.0,
+        "best_of_k": float(any(ok)),
+        "valid": float(len(valid)),
+    }
