@@ -13,7 +13,8 @@ Definitions (n_t = valid attempts of task t, c_t = successful ones):
   standard error of Miller (2024, "Adding Error Bars to Evals"): passes of
   one task are not independent, so the unit is the task. With m tasks and
   per-task means a_t, se = stdev(a_t) / sqrt(m) (sample stdev, m - 1), and
-  the interval is accuracy ± z·se with z = 1.96 (95 %). None for m < 2.
+  the interval is accuracy ± z·se with z = 1.96 (95 %), clipped to the
+  reward's range [0, 1]. None for m < 2.
 - pass@k: the unbiased estimator of Chen et al. (2021), per task
   1 − C(n−c, k) / C(n, k), averaged over the tasks with n_t >= k.
 - best-of-K: the mean over tasks of the best reward among a task's valid
@@ -178,7 +179,7 @@ def compute_metrics(records: Sequence[EvalRecord], *, passes: int | None = None,
     if task_means:
         acc, low, high = mean_ci(task_means, z)
         m.accuracy = acc
-        m.accuracy_ci = (low, high) if low is not None else None
+        m.accuracy_ci = (max(low, 0.0), min(high, 1.0)) if low is not None else None
         m.best_of_k = statistics.fmean(best)
     by_pass: dict[int, list[float]] = defaultdict(list)
     for r in valid:
