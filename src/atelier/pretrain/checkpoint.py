@@ -1,0 +1,74 @@
+"""Checkpoints: a Hugging Face model directory plus the trainer's state.
+
+`<run>/checkpoints/step-000120/` holds `save_pretrained` output and the
+tokenizer (so `atelier serve/agent/train` load it as a model directory) and
+`trainer_state.pt` (optimizer, RNG states, phase, step, data cursor).
+`state.json` is written last: a directory without it is a checkpoint cut off
+by a kill and is ignored (and replaced) on resume.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+CHECKPOINTS = "checkpoints"
+
+
+def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, state: dict[str, Any], keep: int) -> Path:
+    import numpy as np
+    import torch
+
+    root = Path(run_dir) / CHECKPOINTS
+    out = root / f"step-{state['global_step']:06d}"
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    torch.save({
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "numpy_rng": np.random.get_state(),
+        "python_rng": random.getstate(),
+    }, out / "trainer_state.pt")
+    (out / "state.json").write_text(json.dumps(state, indent=1) + "\n")
+    for old in complete_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step-*") if (p / "state.json").is_file())
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    found = complete_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def load_trainer_state(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The JSON state and the torch payload (optimizer state and RNG states)."""
+    import torch
+
+    state = json.loads((checkpoint / "state.json").read_text())
+    payload = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
+    return state, payload
+
+
+def restore_rng(payload: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
+    torch.set_rng_state(payload["torch_rng"])
+    if payload.get("cuda_rng") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(payload["cuda_rng"])
+    np.random.set_state(payload["numpy_rng"])
+    random.setstate(payload["python_rng"])

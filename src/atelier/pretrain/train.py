@@ -1,0 +1,257 @@
+"""The CPT / long-context / SFT loop: `run_pretrain(config, run_dir)`.
+
+Phases run in recipe order on one model. Each phase gets a fresh AdamW and
+its own warm-up + cosine schedule; a long-context phase first multiplies the
+rotary base (see modeling.scale_rope_theta) and then reads rows of its own
+length from the same token shards. An optimizer step sums the masked NLL of
+`grad_accum` micro-batches and divides by the step's total target count.
+
+Resume: a checkpoint stores the weights, the optimizer, RNG states and the
+data cursor; the schedule and the data order are functions of counters
+(schedule.py), so a resumed run repeats the uninterrupted run's losses.
+Metrics logged after the checkpoint a resume starts from are dropped and
+logged again.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from atelier.config import dump_config
+from atelier.errors import AtelierError
+from atelier.pretrain.batches import ExampleBatches, MixtureBatches, masked_lm_loss
+from atelier.pretrain.checkpoint import latest_checkpoint, load_trainer_state, restore_rng, save_checkpoint
+from atelier.pretrain.config import PhaseConfig, PretrainConfig
+from atelier.pretrain.schedule import lr_at
+
+METRICS = "metrics.jsonl"
+
+
+class RunDirError(AtelierError):
+    """A run directory that cannot be started or resumed."""
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    final_model: Path | None          # None when the run stopped early (stop_after)
+    global_step: int
+    stopped: bool
+    losses: list[float] = field(default_factory=list)  # training loss of every step this call ran
+    evals: dict[str, Any] | None = None
+
+
+def run_pretrain(config: PretrainConfig, run_dir: str | Path, *, resume: bool = False,
+                 quiet: bool = True) -> RunResult:
+    """Run (or resume) every phase of `config` in `run_dir`; return where the model is."""
+    import torch
+
+    from atelier.pretrain.modeling import load_model_and_tokenizer, pick_device, scale_rope_theta
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own log lines say what happens
+    run_dir = Path(run_dir)
+    checkpoint = _prepare_run_dir(config, run_dir, resume)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    device = pick_device(config.device)
+    torch.manual_seed(config.seed)
+    state: dict[str, Any] = {"phase": 0, "phase_step": 0, "global_step": 0, "cursor": None}
+    payload = None
+    if checkpoint is not None:
+        state, payload = load_trainer_state(checkpoint)
+        _truncate_metrics(run_dir / METRICS, state["global_step"])
+    model, tokenizer = load_model_and_tokenizer(str(checkpoint or config.model), device)
+    if payload is not None:
+        restore_rng(payload)
+    corpus = _corpus(config, tokenizer, run_dir, quiet)
+    log = _Logger(run_dir / METRICS, quiet)
+    result = RunResult(run_dir, None, state["global_step"], False)
+    for index in range(state["phase"], len(config.phases)):
+        phase = config.phases[index]
+        mid_phase = index == state["phase"] and state["phase_step"] > 0
+        start = state["phase_step"] if mid_phase else 0
+        if start >= phase.steps:
+            continue
+        if not mid_phase and phase.rope_theta_scale != 1.0:
+            theta = scale_rope_theta(model, phase.rope_theta_scale, phase.seq_len)
+            log.event({"phase": phase.name, "rope_theta": theta})
+        batches = _batches(config, phase, index, corpus, tokenizer, state["cursor"] if mid_phase else None)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=phase.lr, betas=phase.betas,
+                                      weight_decay=phase.weight_decay)
+        if mid_phase and payload is not None and payload["optimizer"] is not None:
+            optimizer.load_state_dict(payload["optimizer"])
+        for step in range(start, phase.steps):
+            metrics = _train_step(model, optimizer, batches, phase, step, device, config.precision)
+            state = {"phase": index, "phase_step": step + 1, "global_step": state["global_step"] + 1,
+                     "cursor": batches.cursor()}
+            result.losses.append(metrics["loss"])
+            if (step + 1) % config.log_every == 0 or step + 1 == phase.steps:
+                log.step({"step": state["global_step"], "phase": phase.name, "phase_step": step + 1,
+                          **metrics})
+            if config.eval_every and state["global_step"] % config.eval_every == 0 and corpus.heldout:
+                val = _val_loss(model, corpus.heldout, phase, config, device)
+                log.event({"step": state["global_step"], "phase": phase.name, "val_loss": val})
+            last = step + 1 == phase.steps
+            if last or state["global_step"] % config.checkpoint_every == 0:
+                save_checkpoint(run_dir, model, tokenizer, optimizer, state, config.keep_checkpoints)
+            if config.stop_after is not None and state["global_step"] >= config.stop_after and not (
+                    last and index == len(config.phases) - 1):
+                result.global_step, result.stopped = state["global_step"], True
+                return result
+    result.global_step = state["global_step"]
+    final = run_dir / "final"
+    model.save_pretrained(final)
+    tokenizer.save_pretrained(final)
+    result.final_model = final
+    _plot(run_dir)
+    if config.evals.enabled:
+        result.evals = _base_evals(config, final, corpus, run_dir)
+    (run_dir / "summary.json").write_text(json.dumps({
+        "final_model": str(final), "global_step": result.global_step,
+        "phases": [p.name for p in config.phases], "evals": result.evals}, indent=1) + "\n")
+    return result
+
+
+def _prepare_run_dir(config: PretrainConfig, run_dir: Path, resume: bool) -> Path | None:
+    checkpoint = latest_checkpoint(run_dir)
+    if resume:
+        if not (run_dir / "config.toml").is_file():
+            raise RunDirError(f"{run_dir} is not a pretrain run directory (no config.toml)",
+                              hint="pass the directory a previous `atelier pretrain` wrote")
+        return checkpoint
+    if checkpoint is not None or (run_dir / "final").exists():
+        raise RunDirError(f"{run_dir} already holds a run",
+                          hint=f"resume it with --resume {run_dir}, or choose another run directory")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # stop_after is a property of this call, not of the run: a resume must not stop again.
+    (run_dir / "config.toml").write_text(dump_config(config.model_copy(update={"stop_after": None})))
+    (run_dir / METRICS).unlink(missing_ok=True)
+    return None
+
+
+def _corpus(config: PretrainConfig, tokenizer, run_dir: Path, quiet: bool):
+    from atelier.pretrain.corpus import build_corpus
+
+    if not config.data.sources:
+        return None
+    data_dir = Path(config.data.cache_dir).expanduser() if config.data.cache_dir else run_dir / "data"
+    return build_corpus(config.data, tokenizer, data_dir, quiet=quiet)
+
+
+def _batches(config: PretrainConfig, phase: PhaseConfig, index: int, corpus, tokenizer, cursor):
+    from atelier.pretrain.sft_data import load_chat, load_trajectories, pack_examples
+    from atelier.pretrain.sources import DataError
+
+    if phase.kind == "pretrain":
+        names = [s.name for s in config.data.sources]
+        streams = [corpus.train[n] for n in names]
+        short = [n for n, s in zip(names, streams) if s.rows(phase.seq_len) == 0]
+        if short:
+            raise DataError(f"phase '{phase.name}': sources {short} hold fewer tokens than one "
+                            f"sequence of {phase.seq_len}", hint="add data or lower seq_len")
+        weights = [s.weight for s in config.data.sources]
+        return MixtureBatches(streams, weights, phase.seq_len, config.seed, index, cursor)
+    examples = load_chat(phase.chat, tokenizer) + load_trajectories(phase.trajectories, phase.min_reward)
+    ids_NS, mask_NS = pack_examples(examples, phase.seq_len, tokenizer.pad_token_id)
+    return ExampleBatches(ids_NS, mask_NS, config.seed, index, cursor)
+
+
+def _train_step(model, optimizer, batches, phase: PhaseConfig, step: int, device: str,
+                precision: str) -> dict[str, float]:
+    import torch
+
+    from atelier.pretrain.modeling import autocast
+
+    started = time.perf_counter()
+    lr = lr_at(step, lr=phase.lr, steps=phase.steps, warmup_steps=phase.warmup_steps,
+               min_lr_ratio=phase.min_lr_ratio)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    micro = [batches.next(phase.micro_batch) for _ in range(phase.grad_accum)]
+    total = max(sum(int(mask[:, 1:].sum()) for _, mask in micro), 1)
+    model.train()
+    loss_sum = 0.0
+    for ids_NS, mask_NS in micro:
+        ids = torch.from_numpy(ids_NS).to(device)
+        mask = torch.from_numpy(mask_NS).to(device)
+        with autocast(device, precision):
+            logits_NSV = model(input_ids=ids).logits
+        nll, _ = masked_lm_loss(logits_NSV, ids, mask)
+        (nll / total).backward()
+        loss_sum += float(nll.detach())
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), phase.grad_clip))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    elapsed = time.perf_counter() - started
+    tokens = phase.grad_accum * phase.micro_batch * phase.seq_len
+    return {"loss": loss_sum / total, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
+            "targets": total, "tokens_per_s": tokens / elapsed, "step_s": elapsed}
+
+
+def _val_loss(model, stream, phase: PhaseConfig, config: PretrainConfig, device: str) -> float | None:
+    import numpy as np
+    import torch
+
+    n = min(stream.rows(phase.seq_len), config.eval_batches * phase.micro_batch)
+    if n == 0:
+        return None
+    model.eval()
+    total, count = 0.0, 0.0
+    with torch.no_grad():
+        for i in range(n):
+            ids = torch.from_numpy(stream.row(i, phase.seq_len)[None]).to(device)
+            mask = torch.from_numpy(np.ones_like(stream.row(i, phase.seq_len)[None])).to(device)
+            mask[:, 0] = 0
+            nll, k = masked_lm_loss(model(input_ids=ids).logits, ids, mask)
+            total, count = total + float(nll), count + float(k)
+    return total / count
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+class _Logger:
+    """Appends one JSON object per line to metrics.jsonl; prints a short line unless quiet."""
+
+    def __init__(self, path: Path, quiet: bool) -> None:
+        self.path, self.quiet = path, quiet
+
+    def _write(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    def step(self, record: dict[str, Any]) -> None:
+        self._write(record)
+        if not self.quiet:
+            print(f"step {record['step']:>6} [{record['phase']}] loss {record['loss']:.4f} "
+                  f"lr {record['lr']:.2e} gnorm {record['grad_norm']:.2f} "
+                  f"{record['tokens_per_s']:.0f} tok/s", flush=True)
+
+    def event(self, record: dict[str, Any]) -> None:
+        self._write(record)
+        if not self.quiet:
+            print("  " + " ".join(f"{k} {v}" for k, v in record.items()), flush=True)
+
+
+def _plot(run_dir: Path) -> None:
+    from atelier.pretrain.plots import plot_losses
+
+    plot_losses(run_dir / METRICS, run_dir / "loss.png")
+
+
+def _base_evals(config: PretrainConfig, final: Path, corpus, run_dir: Path) -> dict[str, Any]:
+    from atelier.pretrain.evals import run_base_evals
+
+    repos = corpus.heldout_repos if corpus is not None else []
+    return run_base_evals(str(final), repos, config.evals, out_dir=run_dir)
