@@ -1,0 +1,203 @@
+"""The model's context window, kept token-exact for token models.
+
+`TokenContext` (any `TokenModel`) keeps the current `Segment`:
+
+- `start(messages)` renders the segment's prompt with the tokenizer's chat
+  template and tokenizes it once;
+- `sample()` appends the sampled ids verbatim (`Segment.extend_sampled`),
+  with their logprobs and per-token versions;
+- `observe()`/`ask()` append only the *delta* of the new messages: the text
+  difference render(messages + new, generation prompt) minus
+  render(messages), tokenized alone, preceded by whatever the template puts
+  after an assistant message that the model did not sample itself (the
+  newline after the end-of-turn token, or the end-of-turn token when a turn
+  was cut at its length limit).
+
+Earlier tokens are never re-tokenized (PITFALLS: re-applying a template to
+history changed the tokens that were trained on). `ChatContext` (any
+`ChatModel`) keeps messages only: no segments, no logprobs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from atelier.harness.config import AgentConfig
+from atelier.harness.errors import FormatError
+from atelier.harness.parsing import Item, ParsedTurn, ToolCall, parse_native_calls, parse_tool_calls
+from atelier.harness.prompt import tool_response
+from atelier.harness.trajectory import Segment, Trajectory
+from atelier.inference.types import SamplingParams
+
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+
+
+@dataclass
+class Turn:
+    text: str                # the assistant message content (end-of-turn token removed)
+    parsed: ParsedTurn
+    sampled: int             # tokens sampled this turn
+    finish_reason: str
+
+
+@dataclass
+class Result:
+    item: Item               # the call (or the format error) this answers
+    output: str
+    ok: bool
+
+
+def _name(item: Item) -> str:
+    return item.name if isinstance(item, ToolCall) else "invalid_call"
+
+
+def observation_messages(results: list[Result], role: str) -> list[dict[str, Any]]:
+    if role == "user":
+        body = "\n".join(tool_response(_name(r.item), r.output, r.ok) for r in results)
+        return [{"role": "user", "content": body}]
+    out = []
+    for r in results:
+        msg = {"role": "tool", "name": _name(r.item), "content": r.output}
+        if isinstance(r.item, ToolCall) and r.item.id:
+            msg["tool_call_id"] = r.item.id
+        out.append(msg)
+    return out
+
+
+def stop_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The tokenizer's eos and the end-of-turn tokens its vocabulary has."""
+    vocab = tokenizer.get_vocab()
+    ids = {tokenizer.eos_token_id} | {vocab[t] for t in END_OF_TURN if t in vocab and t != "<|endoftext|>"}
+    return tuple(sorted(i for i in ids if i is not None))
+
+
+class TokenContext:
+    def __init__(self, model: Any, config: AgentConfig, traj: Trajectory) -> None:
+        self.model, self.config, self.traj = model, config, traj
+        self.tok = model.tokenizer
+        self.stop = stop_ids(self.tok)
+        self.messages: list[dict[str, Any]] = []
+        self.segment = Segment()
+        self.prompt_text = ""   # render(messages, add_generation_prompt=True): what the segment's text is
+        self.glue = ""          # template text after the last assistant message that was not sampled
+
+    def render(self, messages: list[dict[str, Any]], gen: bool) -> str:
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def count(self, text: str) -> int:
+        return len(self.encode(text)) if text else 0
+
+    @property
+    def size(self) -> int:
+        return len(self.segment)
+
+    def start(self, messages: list[dict[str, Any]]) -> None:
+        self.messages = list(messages)
+        self.prompt_text = self.render(self.messages, True)
+        ids = self.encode(self.prompt_text)
+        self.segment = Segment()
+        self.segment.extend_prompt(ids)
+        self.traj.segments.append(self.segment)
+        self.traj.messages.extend(messages)
+        self.traj.add_tokens("prompt", len(ids))
+
+    def sample(self, max_new: int, seed: int | None) -> Turn:
+        s = self.config.sampling
+        params = SamplingParams(max_tokens=max_new, temperature=s.temperature, top_p=s.top_p, seed=seed,
+                                stop_token_ids=self.stop)
+        gen = self.model.generate(list(self.segment.token_ids), params)
+        self.segment.extend_sampled(gen.token_ids, gen.logprobs, gen.versions)
+        ended = bool(gen.token_ids) and gen.token_ids[-1] in self.stop
+        content_ids = gen.token_ids[:-1] if ended else gen.token_ids
+        content = self.tok.decode(content_ids, skip_special_tokens=False)
+        assistant = {"role": "assistant", "content": content}
+        full = self.render([*self.messages, assistant], False)
+        if full.startswith(self.prompt_text + content):
+            tail = full[len(self.prompt_text) + len(content):]
+        else:  # the template rewrote the message (e.g. stripped reasoning): find the content's end
+            at = full.rfind(content) if content else -1
+            tail = full[at + len(content):] if at >= 0 else self.tok.decode(self.stop[:1]) + "\n"
+        eos_text = self.tok.decode(gen.token_ids[-1:], skip_special_tokens=False) if ended else ""
+        self.glue = tail[len(eos_text):] if eos_text and tail.startswith(eos_text) else tail
+        self.prompt_text = full
+        self.messages.append(assistant)
+        self.traj.messages.append(assistant)
+        self.traj.add_tokens("completion", len(gen.token_ids))
+        return Turn(content, parse_tool_calls(content), len(gen.token_ids), gen.finish_reason)
+
+    def add_messages(self, new: list[dict[str, Any]]) -> int:
+        nxt = self.render([*self.messages, *new], True)
+        if nxt.startswith(self.prompt_text):
+            delta = nxt[len(self.prompt_text):]
+        else:  # a template that renders history differently once more follows: keep what we have
+            delta = nxt[len(os.path.commonprefix([nxt, self.prompt_text])):]
+        ids = self.encode(self.glue + delta)
+        self.segment.extend_prompt(ids)
+        self.glue, self.prompt_text = "", nxt
+        self.messages.extend(new)
+        self.traj.messages.extend(new)
+        return len(ids)
+
+    def observe(self, results: list[Result]) -> int:
+        n = self.add_messages(observation_messages(results, self.config.observation_role))
+        self.traj.add_tokens("tool_output", n)
+        return n
+
+
+class ChatContext:
+    """Messages only, for chat backends; sizes come from the backend's usage counts."""
+
+    def __init__(self, model: Any, config: AgentConfig, traj: Trajectory, tools: list[dict] | None) -> None:
+        self.model, self.config, self.traj, self.tools = model, config, traj, tools
+        self.messages: list[dict[str, Any]] = []
+        self.size = 0
+
+    def count(self, text: str) -> int:
+        return (len(text) + 3) // 4  # no tokenizer: the usual 4 characters per token
+
+    def start(self, messages: list[dict[str, Any]]) -> None:
+        self.messages = list(messages)
+        self.size = sum(self.count(m["content"]) for m in messages)
+        self.traj.messages.extend(messages)
+
+    def sample(self, max_new: int, seed: int | None) -> Turn:
+        s = self.config.sampling
+        params = SamplingParams(max_tokens=max_new, temperature=s.temperature, top_p=s.top_p, seed=seed)
+        reply = self.model.chat(list(self.messages), params, self.tools)
+        parsed = parse_native_calls(reply.tool_calls, reply.text) if reply.tool_calls else parse_tool_calls(reply.text)
+        assistant: dict[str, Any] = {"role": "assistant", "content": reply.text}
+        native = [c for c in parsed.calls if c.id]
+        if native:
+            import json
+
+            assistant["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.name, "arguments": json.dumps(c.arguments)}} for c in native]
+        self.messages.append(assistant)
+        self.traj.messages.append(assistant)
+        sampled = reply.completion_tokens or self.count(reply.text)
+        self.size = (reply.prompt_tokens or self.size) + sampled
+        self.traj.add_tokens("prompt", reply.prompt_tokens)
+        self.traj.add_tokens("completion", sampled)
+        return Turn(reply.text, parsed, sampled, reply.finish_reason)
+
+    def add_messages(self, new: list[dict[str, Any]]) -> int:
+        self.messages.extend(new)
+        self.traj.messages.extend(new)
+        n = sum(self.count(m["content"]) for m in new)
+        self.size += n
+        return n
+
+    def observe(self, results: list[Result]) -> int:
+        native = any(isinstance(r.item, ToolCall) and r.item.id for r in results)
+        role = "tool" if native else self.config.observation_role
+        n = self.add_messages(observation_messages(results, role))
+        self.traj.add_tokens("tool_output", n)
+        return n
+
+
+__all__ = ["TokenContext", "ChatContext", "Turn", "Result", "FormatError", "observation_messages"]
