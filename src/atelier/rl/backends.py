@@ -1,0 +1,50 @@
+"""The one-process rollout backend: a thread pool over one local engine.
+
+Rollout threads call `engine.generate` concurrently; the engine batches them
+(continuous batching) on its own scheduler thread. `update_weights(version)`
+reads the newest published weights from the `WeightSync` reader and hands
+them to the engine, which swaps them in between two decode steps: rollouts
+in flight continue on the new weights and each token keeps the version that
+produced it.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from atelier.rl.env import Environment
+from atelier.rl.reconciler import DoneCallback
+from atelier.rl.weight_sync import WeightSync
+
+
+class LocalBackend:
+    def __init__(self, env: Environment, engine, reader: WeightSync, workers: int) -> None:
+        self.env, self.engine, self.reader = env, engine, reader
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rollout")
+        self.sync_seconds = 0.0
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def submit(self, slot_id: str, task: Any, seed: int, done: DoneCallback) -> None:
+        def work() -> None:
+            try:
+                traj = self.env.rollout(task, self.engine, seed)
+            except Exception as exc:  # the batch edge: one rollout's failure is recorded, not raised
+                done(slot_id, None, exc)
+            else:
+                done(slot_id, traj, None)
+
+        self.pool.submit(work)
+
+    def update_weights(self, version: int) -> None:
+        latest = self.reader.latest()
+        if latest is None or latest[1] != version:
+            raise RuntimeError(f"weights of version {version} were not published (have {latest and latest[1]})")
+        self.engine.update_weights(latest[0], version)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.engine.close()

@@ -1,0 +1,65 @@
+"""Step checkpoints: RUN_DIR/checkpoints/step-<k>/ with the model (Hugging Face
+format, loadable by every atelier command), optimizer, RNG states and a
+meta.json (step, task cursor, ledger position).
+
+A checkpoint is written into `step-<k>.tmp` and renamed: the rename is the
+commit point of step k. The slot ledger is its own append-only file; on
+resume, its `trained` events newer than the committed step are undone
+(`Ledger.load(path, committed_step)`), so a sample is never trained twice
+and never lost whatever moment `kill -9` hits.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+KEEP = 2
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return None
+    done = [p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp")
+            and (p / "meta.json").exists()]
+    return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
+
+
+def save_checkpoint(run_dir: Path, step: int, trainer, tokenizer, meta: dict[str, Any]) -> Path:
+    root = checkpoints_dir(run_dir)
+    final = root / f"step-{step:06d}"
+    tmp = root / f"step-{step:06d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    trainer.save(tmp, tokenizer)
+    torch.save({"python": random.getstate(), "numpy": np.random.get_state(),
+                "torch": torch.get_rng_state()}, tmp / "rng.pt")
+    (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}, indent=1) + "\n")
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.replace(final)
+    for old in sorted(root.glob("step-*"), key=lambda p: p.name)[:-KEEP]:
+        if old != final and not old.name.endswith(".tmp"):
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def restore_rng(ckpt: Path) -> None:
+    state = torch.load(ckpt / "rng.pt", weights_only=False)
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def read_meta(ckpt: Path) -> dict[str, Any]:
+    return json.loads((ckpt / "meta.json").read_text())

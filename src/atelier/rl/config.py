@@ -1,0 +1,117 @@
+"""The configuration of one RL run (`atelier train RECIPE.toml`).
+
+One pydantic model per component, composed into `TrainConfig`; every field
+is documented where it is declared. Recipes live in `recipes/rl-*.toml`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from atelier.config import AtelierConfig
+from atelier.rl.shaping import ShapingConfig
+
+
+class RolloutConfig(AtelierConfig):
+    mode: Literal["async", "sync"] = "async"
+    """async: rollouts keep running while the trainer steps; sync: generate a batch, then train it."""
+    group_size: int = Field(4, ge=1)
+    """Samples per task; a group is trained only once all of its members are graded."""
+    groups_per_step: int = Field(2, ge=1)
+    """Groups in one optimizer step."""
+    max_staleness: int = Field(1, ge=0)
+    """Most policy versions between the oldest token of a sample and the weights that train on it."""
+    workers: int = Field(4, ge=1)
+    """Rollouts running at once (threads in one process, or Ray actors)."""
+    max_tokens: int = Field(64, ge=1)
+    """Tokens per model turn."""
+    temperature: float = Field(1.0, gt=0)
+    max_retries: int = Field(2, ge=0)
+    """Re-runs of a rollout lost to an infrastructure failure before it is left out of its group."""
+    min_valid: int = Field(2, ge=1)
+    """Fewest valid members a group needs to be trained; fewer: dropped with a reason."""
+
+
+class TrainerConfig(AtelierConfig):
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float = Field(1.0, gt=0)
+    is_cap: float = Field(2.0, gt=0)
+    """C in the truncated importance weight min(pi/mu, C)."""
+    kl_beta: float = Field(0.0, ge=0)
+    """k1 KL coefficient; 0 never loads the reference model."""
+    norm_tokens: float = Field(1024.0, gt=0)
+    """The constant the summed token loss is divided by."""
+    micro_batch: int = Field(8, ge=1)
+    """Sequences per forward/backward (gradients accumulate over a step)."""
+    steps: int = Field(0, ge=0)
+    """Stop after this many steps (0: when the tasks run out; single epoch either way)."""
+    checkpoint_every: int = Field(1, ge=1)
+    threads: int = Field(1, ge=1)
+    """torch CPU threads for the trainer."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class SyncConfig(AtelierConfig):
+    kind: Literal["inprocess", "delta"] = "inprocess"
+    full_every: int = Field(10, ge=1)
+    """Delta chain: a full snapshot every N publishes."""
+    dir: str = ""
+    """Delta chain directory (shared storage); empty: RUN_DIR/weights."""
+
+
+class ToyEnvConfig(AtelierConfig):
+    """A single-turn, harness-free task with a dense reward (tests, benchmarks, smoke runs)."""
+
+    tasks: int = Field(256, ge=1)
+    target_fraction: float = Field(0.25, gt=0, le=1)
+    """Rewarded tokens: the lowest `target_fraction` of the vocabulary by id."""
+    env_latency_s: float = Field(0.0, ge=0)
+    """Seconds of environment time per rollout (a sandboxed tool run or grade costs this)."""
+    prompt_words: int = Field(4, ge=1)
+
+
+class TasksEnvConfig(AtelierConfig):
+    """Real tasks through the agent harness, sandboxes and grader."""
+
+    suite: str
+    """A suite directory (atelier.tasks.load_suite) or a single task directory."""
+    backend: Literal["bwrap", "local"] = "bwrap"
+    agent: dict[str, Any] = Field(default_factory=dict)
+    """Fields of atelier.harness.agent.AgentConfig."""
+
+
+class EnvConfig(AtelierConfig):
+    kind: Literal["toy", "tasks"] = "toy"
+    toy: ToyEnvConfig = Field(default_factory=ToyEnvConfig)
+    tasks: TasksEnvConfig | None = None
+
+    @model_validator(mode="after")
+    def _tasks_need_a_suite(self) -> "EnvConfig":
+        if self.kind == "tasks" and self.tasks is None:
+            raise ValueError("env.kind = 'tasks' needs an [env.tasks] section with suite = '...'")
+        return self
+
+
+class CurriculumConfig(AtelierConfig):
+    enabled: bool = True
+    saturation: float = Field(0.8, ge=0, le=1)
+    """Once the recent pass rate reaches this, harder tasks come first."""
+    window: int = Field(8, ge=1)
+    """Groups the recent pass rate is taken over."""
+
+
+class TrainConfig(AtelierConfig):
+    model: str = "tiny"
+    """A model directory, a known model name, a hub id, or 'tiny' (a tiny random model built in the run dir)."""
+    seed: int = 0
+    launcher: Literal["local", "ray"] = "local"
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    shaping: ShapingConfig = Field(default_factory=ShapingConfig)
+    curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)

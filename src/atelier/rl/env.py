@@ -1,0 +1,110 @@
+"""Environments: where a rollout happens and how it is scored.
+
+`Environment.rollout(task, model, seed) -> Trajectory` runs one episode with
+`model` (a `TokenModel`), scores it and returns the trajectory with `reward`
+and `reward_parts` set (`reward_parts["pass"]` is 1.0 for a solved task).
+An infrastructure failure (sandbox error, engine crash, grading timeout)
+raises `InfraError`: the reconciler retries it and never scores it.
+
+Two environments:
+- `ToyEnvironment`: single-turn, harness-free, dense learnable reward — the
+  fraction of sampled tokens that fall in a target set (the lowest ids of
+  the vocabulary). For tests, benchmarks and smoke runs through the same
+  trainer, reconciler and engine as real tasks.
+- `TaskEnvironment` (`atelier.rl.task_env`): real tasks through the agent
+  harness, sandboxes and the grader.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+from atelier.harness.trajectory import Segment, Trajectory
+from atelier.inference.types import SamplingParams, TokenModel
+from atelier.rl.config import EnvConfig, RolloutConfig, ToyEnvConfig
+from atelier.rl.shaping import ShapingConfig, shape_trajectory
+
+
+class InfraError(Exception):
+    """The infrastructure, not the policy, failed this rollout: retry, never score it."""
+
+
+class Environment(Protocol):
+    def tasks(self) -> Sequence[Any]:
+        """Every task of the epoch, in a fixed order; each has a unique `.id`."""
+        ...
+
+    def category(self, task: Any) -> str:
+        """A label that groups tasks of similar difficulty (the curriculum's unit)."""
+        ...
+
+    def rollout(self, task: Any, model: TokenModel, seed: int) -> Trajectory: ...
+
+
+@dataclass(frozen=True)
+class ToyTask:
+    id: str
+    prompt: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+WORDS = ("alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "ember", "north", "quiet")
+
+
+class ToyEnvironment:
+    """Reward = fraction of sampled tokens whose id is below `target_fraction * vocab`."""
+
+    def __init__(self, cfg: ToyEnvConfig, rollout: RolloutConfig, shaping: ShapingConfig,
+                 seed: int = 0) -> None:
+        self.cfg, self.rollout_cfg, self.shaping = cfg, rollout, shaping
+        rng = random.Random(seed)
+        self._tasks = []
+        for i in range(cfg.tasks):
+            n = rng.randint(1, cfg.prompt_words)
+            words = " ".join(rng.choice(WORDS) for _ in range(n))
+            self._tasks.append(ToyTask(f"toy-{i:05d}", f"Say something about {words}.", {"words": n}))
+
+    def tasks(self) -> Sequence[ToyTask]:
+        return self._tasks
+
+    def category(self, task: ToyTask) -> str:
+        return f"words-{task.metadata['words']}"
+
+    def rollout(self, task: ToyTask, model: TokenModel, seed: int) -> Trajectory:
+        start = time.perf_counter()
+        tok = model.tokenizer
+        text = tok.apply_chat_template([{"role": "user", "content": task.prompt}],
+                                       add_generation_prompt=True, tokenize=False)
+        prompt_ids = list(tok.encode(text, add_special_tokens=False))
+        params = SamplingParams(max_tokens=self.rollout_cfg.max_tokens,
+                                temperature=self.rollout_cfg.temperature, seed=seed)
+        gen = model.generate(prompt_ids, params)
+        if self.cfg.env_latency_s:
+            time.sleep(self.cfg.env_latency_s)  # the environment's share of a rollout (tools, grading)
+        threshold = int(self.cfg.target_fraction * len(tok))
+        hits = sum(1 for t in gen.token_ids if t < threshold)
+        correctness = hits / max(1, len(gen.token_ids))
+        seg = Segment()
+        seg.extend_prompt(prompt_ids)
+        seg.extend_sampled(gen.token_ids, gen.logprobs, gen.versions)
+        traj = Trajectory(task_id=task.id, model=getattr(model, "name", ""), segments=[seg], turns=1,
+                          tokens={"prompt": len(prompt_ids), "final_message": len(gen.token_ids)},
+                          exit_reason="submitted", messages=[
+                              {"role": "user", "content": task.prompt},
+                              {"role": "assistant", "content": gen.text}])
+        shape_trajectory(traj, correctness, self.shaping)
+        traj.reward_parts["pass"] = float(correctness >= 0.5)
+        traj.wall_s = time.perf_counter() - start
+        traj.limits = {"max_tokens": params.max_tokens, "temperature": params.temperature}
+        return traj
+
+
+def make_environment(env: EnvConfig, rollout: RolloutConfig, shaping: ShapingConfig, seed: int):
+    if env.kind == "toy":
+        return ToyEnvironment(env.toy, rollout, shaping, seed)
+    from atelier.rl.task_env import TaskEnvironment
+
+    return TaskEnvironment(env.tasks, rollout, shaping)

@@ -1,0 +1,68 @@
+"""Per-step metrics, one JSON line per step in RUN_DIR/metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from atelier.rl.advantages import group_stats
+
+
+class MetricsWriter:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def write(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def read_all(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        rows = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+        return rows
+
+
+def step_metrics(*, step: int, batch_groups: list[str], trajs: dict, ledger, train: dict[str, Any], sync,
+                 engine_swap_s: float, counters, idle_s: float, busy_s: float, wall_s: float,
+                 mode: str) -> dict[str, Any]:
+    """Reward and its parts, pass rate, best-of-K, staleness, IS weights, KL, entropy, throughput."""
+    rewards, parts, per_group = [], Counter(), []
+    for gid in batch_groups:
+        slots = [s for s in ledger.group_slots(gid) if s.slot_id in trajs]
+        per_group.append(group_stats([s.reward for s in slots], [s.passed for s in slots]))
+        for s in slots:
+            rewards.append(s.reward)
+            for k, v in trajs[s.slot_id].reward_parts.items():
+                parts[k] += v
+    n = max(len(rewards), 1)
+    interval = max(idle_s + busy_s, 1e-9)
+    gen_interval = max(1e-9, _elapsed(counters))
+    return {
+        "step": step, "mode": mode, "wall_s": wall_s, "interval_s": interval,
+        "reward_mean": sum(rewards) / n,
+        "reward_parts": {k: v / n for k, v in parts.items()},
+        "pass_rate": sum(g["pass_rate"] for g in per_group) / max(len(per_group), 1),
+        "best_of_k": sum(g["best_of_k"] for g in per_group) / max(len(per_group), 1),
+        "groups": len(batch_groups), "samples": len(rewards),
+        "gen_tokens": counters.gen_tokens, "gen_tokens_per_s": counters.gen_tokens / gen_interval,
+        "rollouts": counters.rollouts, "rollout_failures": counters.failures,
+        "trainer_idle_s": idle_s, "trainer_busy_s": busy_s, "trainer_idle_fraction": idle_s / interval,
+        "sync_bytes": sync.bytes, "sync_seconds": sync.seconds, "sync_kind": sync.kind,
+        "sync_bytes_per_s": sync.bytes / max(sync.seconds, 1e-9), "engine_swap_s": engine_swap_s,
+        "ledger": ledger.counts(),
+        **train,
+    }
+
+
+def _elapsed(counters) -> float:
+    import time
+
+    return time.perf_counter() - counters.since

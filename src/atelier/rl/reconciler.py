@@ -1,0 +1,279 @@
+"""The reconciler: admits groups, launches rollouts, collects results, forms batches.
+
+Threads and ordering (the concurrency seam of the whole run):
+
+- Rollout workers (threads of a `RolloutBackend`, or Ray actors behind one)
+  call `_on_done` when a rollout ends. The trainer thread calls
+  `next_batch()` and, once the step's weights are live in the engine,
+  `commit(batch, step)`. Every state change happens under one lock and is
+  written to the ledger before the lock is released; after each change
+  `_pump()` admits new groups and launches queued slots.
+- Versions: `self.version` is the number of committed optimizer steps, which
+  is also the engine's weight version once `commit` runs (the trainer
+  updates the engine *before* committing). A group records the version at
+  admission; every token it produces has a version at least that.
+
+Staleness by admission, not by dropping (PITFALLS: dropping stale groups at
+the sink starves slow, hard tasks). With S = max_staleness and G =
+groups_per_step:
+
+1. Admission: a group is admitted only while fewer than (S + 1) * G groups
+   are admitted and untrained.
+2. Batch guard: the trainer at version v may train a batch only if every
+   group left untrained after it was admitted at version >= v + 1 - S (it
+   can still be trained within the bound later). Otherwise the trainer
+   waits for those older groups; they are never discarded.
+
+So every trained token has staleness (v - its version) <= S. Worked example,
+S = 1, G = 2: at v = 0 groups 0-3 are admitted (version 0). Groups 1 and 3
+finish first: the trainer may take them (0, 2 left: admitted at 0 >= 0 + 1 - 1).
+After step 1 (v = 1) groups 4, 5 are admitted at version 1; the next batch
+must include groups 0 and 2 (admitted at 0 < 1 + 1 - 1), so if group 0 is
+slow the trainer waits for it rather than training groups 4, 5 first.
+In sync mode S = 0: each batch is generated entirely by the current weights.
+
+A group is trained only when every member is graded or dropped; members
+lost to infrastructure failures are retried up to `max_retries` times, then
+left out of the group's statistics (never scored 0); a group with fewer than
+`min_valid` members left is dropped with a reason.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
+
+from atelier.errors import AtelierError
+from atelier.harness.trajectory import Trajectory
+from atelier.rl.advantages import group_advantages
+from atelier.rl.config import RolloutConfig
+from atelier.rl.curriculum import Curriculum
+from atelier.rl.ledger import Group, Ledger
+
+DoneCallback = Callable[[str, "Trajectory | None", "BaseException | None"], None]
+
+
+class RolloutBackend(Protocol):
+    """Runs rollouts somewhere (threads, Ray actors) against an engine it owns."""
+
+    @property
+    def version(self) -> int: ...
+
+    def submit(self, slot_id: str, task: Any, seed: int, done: DoneCallback) -> None: ...
+
+    def update_weights(self, version: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class RolloutsFailing(AtelierError):
+    """Too many rollouts in a row failed: the infrastructure is down, not flaky."""
+
+
+@dataclass
+class Batch:
+    groups: list[Group]
+    slot_ids: list[str]
+    version: int
+
+
+@dataclass
+class Counters:
+    gen_tokens: int = 0
+    rollouts: int = 0
+    failures: int = 0
+    since: float = field(default_factory=time.perf_counter)
+
+
+class Reconciler:
+    def __init__(self, *, ledger: Ledger, tasks: Sequence[Any], category: Callable[[Any], str],
+                 backend: RolloutBackend, cfg: RolloutConfig, curriculum: Curriculum,
+                 rollouts_dir: Path, seed: int, version: int, total_steps: int = 0) -> None:
+        self.ledger, self.backend, self.cfg, self.curriculum = ledger, backend, cfg, curriculum
+        self.category, self.rollouts_dir, self.seed = category, rollouts_dir, seed
+        self.version, self.total_steps = version, total_steps
+        self.staleness = 0 if cfg.mode == "sync" else cfg.max_staleness
+        self.tasks = {t.id: t for t in tasks}
+        admitted = ledger.task_ids()
+        self.remaining = [t for t in tasks if t.id not in admitted]
+        self.running: set[str] = set()
+        self.counters = Counters()
+        self.fatal: BaseException | None = None
+        self._streak = 0
+        self._cond = threading.Condition(threading.RLock())
+        self._closed = False
+        rollouts_dir.mkdir(parents=True, exist_ok=True)
+
+    # --- start / resume ----------------------------------------------------
+    def start(self) -> None:
+        """Re-queue rollouts that died with a previous process, rebuild curriculum stats, launch."""
+        with self._cond:
+            for slot in self.ledger.in_state("running"):
+                self.ledger.set(slot.slot_id, "queued", attempt=slot.attempt + 1, reason="re-run after restart")
+            for group in self.ledger.groups.values():
+                slots = self.ledger.group_slots(group.group_id)
+                if not group.dropped and all(s.state in ("ready", "trained") for s in slots if s.state != "dropped"):
+                    valid = [s for s in slots if s.state != "dropped"]
+                    if valid:
+                        self.curriculum.observe_group(self.category(self.tasks[group.task_id]),
+                                                      [s.turns for s in valid], [s.tokens for s in valid],
+                                                      [bool(s.passed) for s in valid])
+                self._maybe_complete(group)
+            self._pump()
+
+    # --- admission and launch ---------------------------------------------
+    def _groups_wanted(self) -> bool:
+        if not self.total_steps:
+            return True
+        live = sum(1 for g in self.ledger.groups.values() if not g.dropped)
+        return live < self.total_steps * self.cfg.groups_per_step
+
+    def _pump(self) -> None:
+        if self._closed or self.fatal is not None:
+            return
+        limit = (self.staleness + 1) * self.cfg.groups_per_step
+        while len(self.ledger.untrained_groups()) < limit and self._groups_wanted():
+            task = self.curriculum.next_task(self.remaining, self.category)
+            if task is None:
+                break
+            self.remaining.remove(task)
+            self.ledger.add_group(f"g{len(self.ledger.groups):05d}-{task.id}", task.id,
+                                  self.cfg.group_size, self.version)
+        queued = sorted(self.ledger.in_state("queued"),
+                        key=lambda s: (self.ledger.groups[s.group_id].index, s.member))
+        for slot in queued:
+            if len(self.running) >= self.cfg.workers:
+                break
+            self.ledger.set(slot.slot_id, "running", start_version=self.backend.version)
+            self.running.add(slot.slot_id)
+            seed = (self.seed * 1_000_003 + self.ledger.groups[slot.group_id].index * 1009
+                    + slot.member * 101 + slot.attempt) % (2**31)
+            self.backend.submit(slot.slot_id, self.tasks[slot.task_id], seed, self._on_done)
+
+    # --- results -----------------------------------------------------------
+    def _on_done(self, slot_id: str, traj: Trajectory | None, exc: BaseException | None) -> None:
+        with self._cond:
+            self.running.discard(slot_id)
+            if self._closed:
+                return
+            slot = self.ledger.slots[slot_id]
+            if exc is not None or traj is None or traj.reward is None:
+                why = _describe(exc) if exc is not None else "the environment returned no reward"
+                self.counters.failures += 1
+                self._streak += 1
+                if slot.attempt < self.cfg.max_retries:
+                    self.ledger.set(slot_id, "queued", attempt=slot.attempt + 1, failure=why)
+                else:
+                    self.ledger.set(slot_id, "dropped", reason=f"infrastructure: {why}", failure=why)
+                if self._streak >= max(8, 3 * self.cfg.workers):
+                    self.fatal = RolloutsFailing(
+                        f"{self._streak} rollouts in a row failed; the last: {why}",
+                        hint="check the engine and the sandboxes; the run can be resumed with --resume")
+            else:
+                self._streak = 0
+                traj.save(self.rollouts_dir / f"{_fname(slot_id)}.json")
+                sampled = sum(seg.sampled_tokens for seg in traj.segments)
+                self.counters.gen_tokens += sampled
+                self.counters.rollouts += 1
+                self.ledger.set(slot_id, "graded", reward=traj.reward,
+                                passed=bool(traj.reward_parts.get("pass", 0.0) >= 1.0),
+                                turns=traj.turns, tokens=sampled)
+            self._maybe_complete(self.ledger.groups[slot.group_id])
+            self._pump()
+            self._cond.notify_all()
+
+    def _maybe_complete(self, group: Group) -> None:
+        slots = self.ledger.group_slots(group.group_id)
+        if group.dropped or any(s.state not in ("graded", "dropped") for s in slots):
+            return
+        valid = [s for s in slots if s.state == "graded"]
+        if len(valid) < min(self.cfg.min_valid, group.size):
+            self.ledger.drop_group(group.group_id, f"only {len(valid)} of {group.size} rollouts "
+                                                   f"survived infrastructure failures")
+            return
+        advantages = group_advantages([s.reward for s in valid])
+        for s, adv in zip(valid, advantages):
+            self.ledger.set(s.slot_id, "ready", advantage=adv)
+        self.curriculum.observe_group(self.category(self.tasks[group.task_id]), [s.turns for s in valid],
+                                      [s.tokens for s in valid], [bool(s.passed) for s in valid])
+
+    # --- the trainer's side --------------------------------------------------
+    def _ready(self, group: Group) -> bool:
+        slots = self.ledger.group_slots(group.group_id)
+        return all(s.state in ("ready", "dropped") for s in slots) and any(s.state == "ready" for s in slots)
+
+    def _trainable(self) -> Batch | None:
+        untrained = self.ledger.untrained_groups()
+        ready = [g for g in untrained if self._ready(g)]
+        G = self.cfg.groups_per_step
+        exhausted = not self.remaining or not self._groups_wanted()
+        last = exhausted and len(ready) == len(untrained) and ready
+        if len(ready) < G and not last:
+            return None
+        chosen = ready[:G]
+        ids = {g.group_id for g in chosen}
+        floor = self.version + 1 - self.staleness
+        if any(g.admitted_version < floor for g in untrained if g.group_id not in ids):
+            return None  # an older group would exceed the bound later: wait for it
+        slot_ids = [s.slot_id for g in chosen for s in self.ledger.group_slots(g.group_id) if s.state == "ready"]
+        return Batch(chosen, slot_ids, self.version)
+
+    def finished(self) -> bool:
+        with self._cond:
+            if self.total_steps and self.version >= self.total_steps:
+                return True
+            return not self.ledger.untrained_groups() and (not self.remaining or not self._groups_wanted())
+
+    def next_batch(self, timeout: float | None = None) -> Batch | None:
+        """Block until a batch may be trained; None when the epoch (or step budget) is done."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self.fatal is not None:
+                    raise self.fatal
+                if self.finished():
+                    return None
+                batch = self._trainable()
+                if batch is not None:
+                    return batch
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError("no batch became ready in time")
+                self._cond.wait(timeout=1.0 if left is None else min(left, 1.0))
+
+    def commit(self, batch: Batch, step: int) -> None:
+        """Mark the batch trained by `step` and advance the version (weights are live)."""
+        with self._cond:
+            for sid in batch.slot_ids:
+                if self.ledger.slots[sid].state != "trained":
+                    self.ledger.set(sid, "trained", step=step)
+            self.version = step
+            self._pump()
+            self._cond.notify_all()
+
+    def take_counters(self) -> Counters:
+        with self._cond:
+            out, self.counters = self.counters, Counters()
+            return out
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def load_trajectory(self, slot_id: str) -> Trajectory:
+        return Trajectory.load(self.rollouts_dir / f"{_fname(slot_id)}.json")
+
+
+def _fname(slot_id: str) -> str:
+    return slot_id.replace("/", "--")
+
+
+def _describe(exc: BaseException) -> str:
+    where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    at = f" at {where[0].filename.rsplit('/', 1)[-1]}:{where[0].lineno}" if where else ""
+    return f"{type(exc).__name__}: {str(exc)[:300]}{at}"
