@@ -19,6 +19,7 @@ from typing import Any, Callable
 from atelier.harness.errors import HarnessError
 from atelier.harness.parsing import format_call
 
+MAX_WIDEN = 40
 _HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 
 
@@ -122,14 +123,15 @@ def _unique_edit(current: str, hunk: Hunk, index: int) -> tuple[str, str] | None
     core_new = hunk.new[head:len(hunk.new) - tail]
     lo = index + head
     hi = lo + len(core_old)
-    start, end = lo, hi
-    while True:
-        old = "".join(lines[start:end])
-        if old and current.count(old) == 1:
-            return old, "".join(lines[start:lo]) + "".join(core_new) + "".join(lines[hi:end])
-        if start == 0 and end >= len(lines):
-            return None
-        start, end = max(0, start - 1), min(len(lines), end + 1)
+    for extra in range(min(len(lines), MAX_WIDEN) + 1):   # fewest extra lines first, following lines first
+        for before in range(extra + 1):
+            start, end = lo - before, hi + extra - before
+            if start < 0 or end > len(lines):
+                continue
+            old = "".join(lines[start:end])
+            if old and current.count(old) == 1:
+                return old, "".join(lines[start:lo]) + "".join(core_new) + "".join(lines[hi:end])
+    return None
 
 
 def gold_patch_calls(patch: str, read_original: Callable[[str], str] | None = None) -> list[list[tuple[str, dict]]]:
@@ -160,18 +162,31 @@ def _modify_calls(f: FilePatch, read_original: Callable[[str], str] | None) -> l
                                    hint="pass read_original so the edit can take surrounding lines")
             calls.append(("edit_file", {"path": f.path, "old_string": "".join(h.old), "new_string": "".join(h.new)}))
         return calls
-    current, calls, shift = read_original(f.path), [], 0
+    original = read_original(f.path)
+    current, calls, shift = original, [], 0
     for h in f.hunks:
         index = max(h.old_start - 1, 0) + shift if h.old else h.old_start + shift
         edit = _unique_edit(current, h, index)
-        if edit is None:
-            raise HarnessError(f"a hunk of {f.path} does not apply at line {h.old_start}",
-                               hint="the patch must be made against the files read_original returns")
+        if edit is None:  # no short unique anchor: write the whole file instead
+            return [("write_file", {"path": f.path, "content": apply_hunks(original, f)})]
         old, new = edit
         current = current.replace(old, new, 1)
         calls.append(("edit_file", {"path": f.path, "old_string": old, "new_string": new}))
         shift += len(h.new) - len(h.old)
     return calls
+
+
+def apply_hunks(original: str, f: FilePatch) -> str:
+    """The file after the patch, hunks applied at their line numbers."""
+    lines, out, at = original.splitlines(keepends=True), [], 0
+    for h in f.hunks:
+        start = max(h.old_start - 1, 0) if h.old else h.old_start
+        if "".join(lines[start:start + len(h.old)]) != "".join(h.old):
+            raise HarnessError(f"a hunk of {f.path} does not apply at line {h.old_start}",
+                               hint="the patch must be made against the files read_original returns")
+        out += lines[at:start] + h.new
+        at = start + len(h.old)
+    return "".join(out + lines[at:])
 
 
 def gold_patch_script(patch: str, read_original: Callable[[str], str] | None = None,
