@@ -94,6 +94,9 @@ class EvalMetrics:
     valid_attempts: int = 0
     infra_errors: int = 0
     infra_error_types: dict[str, int] = field(default_factory=dict)
+    infra_error_attempts: int = 0
+    """Every attempt that hit an infrastructure error, retried ones included
+    (`infra_errors` counts those still failed at the end)."""
     accuracy: float | None = None
     accuracy_ci: tuple[float, float] | None = None
     ci_method: str = "normal approximation over tasks (clustered SE), 95%"

@@ -92,6 +92,8 @@ class ResultsWriter:
     Ordering: each `append` writes one whole line under a lock and flushes it
     to the OS before returning, so a record is on disk (barring a machine
     crash) once the attempt counts as finished, and lines never interleave.
+    A partial last line left by a killed run is ended first, so it stays one
+    unreadable line instead of swallowing the next record.
     """
 
     def __init__(self, run_dir: Path) -> None:
@@ -99,8 +101,12 @@ class ResultsWriter:
         self._lock = threading.Lock()
 
     def append(self, record: EvalRecord) -> None:
-        line = json.dumps(record.to_dict(), sort_keys=True) + "\n"
-        with self._lock, open(self.path, "a", encoding="utf-8") as fh:
+        line = json.dumps(record.to_dict(), sort_keys=True).encode("utf-8") + b"\n"
+        with self._lock, open(self.path, "ab+") as fh:
+            if fh.tell() > 0:  # a line cut short by a kill: end it, or ours would join it
+                fh.seek(-1, 2)
+                if fh.read(1) != b"\n":
+                    line = b"\n" + line
             fh.write(line)
             fh.flush()
 

@@ -62,6 +62,7 @@ def _eval_run(path: Path, label: str) -> RunData:
     if records:
         run.metrics = compute_metrics(records, passes=meta.get("passes"), model=meta.get("model", ""),
                                       threshold=(meta.get("eval_config") or {}).get("threshold", 1.0))
+        run.metrics.infra_error_attempts = sum(r.infra_error for r in read_records(path, latest=False))
     return run
 
 

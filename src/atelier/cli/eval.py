@@ -1,0 +1,82 @@
+"""`atelier eval`: run a model over tasks for several passes and measure it.
+
+Heavy modules are imported inside the command so `atelier --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from atelier.cli.options import Backend
+
+
+def eval_cmd(
+    model: str = typer.Option(..., "--model", help="A model directory, a name (smollm2-135m), an "
+                              "http(s) URL of an OpenAI-compatible server, scripted:gold, "
+                              "scripted:empty or script:FILE."),
+    tasks: Path = typer.Option(..., "--tasks", help="A task directory or a suite of them."),
+    out: Path = typer.Option(..., "--out", help="Run directory; an existing one is resumed."),
+    split: Optional[str] = typer.Option(None, "--split", help="Only this split of the suite (e.g. test)."),
+    passes: int = typer.Option(1, "--passes", min=1, help="Attempts per task (K of pass@k)."),
+    concurrency: int = typer.Option(1, "--concurrency", min=1, help="Attempts running at once."),
+    max_turns: Optional[int] = typer.Option(None, "--max-turns", min=1, help="Agent turns per attempt."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", min=0.0, help="Sampling temperature."),
+    prices: Optional[Path] = typer.Option(None, "--prices", help="Price table TOML (default: the packaged one)."),
+    backend: Backend = typer.Option(Backend.bwrap, "--backend", help="bwrap (isolated) or local (isolates nothing)."),
+    agent_recipe: Optional[Path] = typer.Option(None, "--agent-config", help="AgentConfig TOML recipe."),
+    overrides: List[str] = typer.Option([], "--set", help="Agent config override, e.g. --set max_turns=20."),
+    as_json: bool = typer.Option(False, "--json", help="Print the metrics as one JSON object only."),
+) -> None:
+    """Evaluate MODEL on TASKS: sandbox per attempt, agent loop, hidden-test grading.
+    Example: atelier eval --model scripted:gold --tasks suite/ --passes 2 --out runs/gold"""
+    from atelier.config import load_config
+    from atelier.eval.models import open_eval_model
+    from atelier.eval.prices import load_prices
+    from atelier.eval.runner import EvalConfig, run_eval
+    from atelier.eval.tasks import load_tasks
+    from atelier.harness.config import AgentConfig
+
+    sets = list(overrides)
+    if max_turns is not None:
+        sets.append(f"max_turns={max_turns}")
+    if temperature is not None:
+        sets.append(f"sampling.temperature={temperature}")
+    agent_config = load_config(AgentConfig, agent_recipe, sets)
+    table = load_prices(prices)
+    task_list = load_tasks(tasks, split)
+    policy = open_eval_model(model)
+    config = EvalConfig(passes=passes, concurrency=concurrency, backend=backend.value)
+
+    def progress(done: int, total: int, rec) -> None:
+        if as_json:
+            return
+        outcome = ("infra error: " + (rec.error_type or "?")) if rec.infra_error else f"reward {rec.reward:g}"
+        typer.echo(f"[{done}/{total}] {rec.task_id} pass {rec.pass_index}: {outcome} "
+                   f"({rec.turns} turns, {rec.wall_s:.1f} s)", err=True)
+
+    summary = run_eval(policy, task_list, out, agent_config=agent_config, config=config,
+                       prices=table, progress=progress)
+    m = summary.metrics
+    if as_json:
+        print(json.dumps({"run_dir": str(summary.run_dir), "ran": summary.ran,
+                          "skipped": summary.skipped, **m.to_dict()}))
+        return
+    ci = f" (95% CI {m.accuracy_ci[0]:.3f}-{m.accuracy_ci[1]:.3f})" if m.accuracy_ci else ""
+    acc = "n/a" if m.accuracy is None else f"{m.accuracy:.3f}"
+    typer.echo(f"model {m.model}: {m.tasks} tasks x {m.passes} passes, ran {summary.ran}, "
+               f"skipped {summary.skipped} already finished")
+    typer.echo(f"  accuracy {acc}{ci}   best-of-{m.passes} "
+               + ("n/a" if m.best_of_k is None else f"{m.best_of_k:.3f}"))
+    typer.echo("  " + "   ".join(f"pass@{k} {v:.3f}" for k, v in sorted(m.pass_at_k.items())))
+    cost = "n/a" if m.median_cost is None else f"{m.median_cost:.4f} $"
+    wall = "n/a" if m.median_wall_s is None else f"{m.median_wall_s:.1f} s"
+    typer.echo(f"  median cost {cost}   median latency {wall}   infra errors {m.infra_errors}")
+    typer.echo(f"  results in {summary.run_dir}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("eval")(eval_cmd)

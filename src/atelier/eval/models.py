@@ -1,0 +1,74 @@
+"""The `--model` of `atelier eval`: a real model, or a scripted one for checks.
+
+- a directory, a known name (`smollm2-135m`), a hub id or an `http(s)://`
+  URL of an OpenAI-compatible server: `atelier.inference.models.open_model`;
+- `scripted:gold`: replays each task's gold patch through the agent's tools
+  (`atelier.harness.replay`): every task should score 1, so it checks the
+  tasks, the tools and the grader end to end;
+- `scripted:empty`: submits at once without a change: every task should
+  score 0;
+- `script:FILE`: replays a JSON list of assistant texts (the same for every
+  attempt).
+
+Scripted models are chat models made afresh for each attempt (`for_task`):
+a script is consumed turn by turn, so attempts must not share one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from atelier.eval.records import EvalError
+from atelier.tasks.schema import Task
+
+
+class ScriptedPolicy:
+    """A fresh `ScriptedChatModel` per attempt, its texts chosen by `texts_for(task)`."""
+
+    def __init__(self, name: str, texts_for) -> None:
+        self.name = name
+        self._texts_for = texts_for
+
+    def for_task(self, task: Task) -> Any:
+        from atelier.inference.scripted import ScriptedChatModel
+
+        return ScriptedChatModel(self._texts_for(task), name=self.name)
+
+
+def gold_texts(task: Task) -> list[str]:
+    from atelier.harness.replay import gold_patch_script
+
+    def read_original(rel: str) -> str:
+        return (task.snapshot / rel).read_text(encoding="utf-8")
+
+    return gold_patch_script(task.gold_patch, read_original=read_original)
+
+
+def empty_texts(task: Task) -> list[str]:
+    from atelier.harness.parsing import format_call
+
+    return [format_call("submit", {"message": "No change."})]
+
+
+def open_eval_model(spec: str, **kwargs: Any) -> Any:
+    """What `--model SPEC` names (see the module docstring)."""
+    if not spec:
+        raise EvalError("--model is empty", hint="pass a model directory, a name such as smollm2-135m, "
+                                                 "a server URL, or scripted:gold")
+    if spec == "scripted:gold":
+        return ScriptedPolicy("scripted:gold", gold_texts)
+    if spec == "scripted:empty":
+        return ScriptedPolicy("scripted:empty", empty_texts)
+    if spec.startswith("scripted:"):
+        raise EvalError(f"unknown scripted model {spec!r}",
+                        hint="scripted:gold, scripted:empty, or script:FILE (a JSON list of texts)")
+    if spec.startswith("script:"):
+        from atelier.inference.scripted import load_script
+
+        path = Path(spec[len("script:"):])
+        texts = load_script(path)
+        return ScriptedPolicy(f"scripted:{path.stem}", lambda task: texts)
+    from atelier.inference.models import open_model
+
+    return open_model(spec, **kwargs)

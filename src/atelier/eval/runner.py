@@ -1,0 +1,259 @@
+"""Run a model over a task suite, several passes, and record every attempt.
+
+For each task and pass (an *attempt*): a sandbox over the task's snapshot
+(with the task's dependency venv mounted read-only and first on PATH), the
+harness's agent loop (`run_episode`), then the final diff graded by
+`atelier.tasks.grade.grade` in a fresh sandbox. The attempt becomes one
+`EvalRecord` line in `results.jsonl` and one trajectory JSON file.
+
+Resuming: attempts whose latest record is not an infrastructure error are
+finished and skipped; the others run again. A run directory belongs to one
+model: resuming it with another is refused.
+
+Errors: the one broad `except Exception` is per attempt (mini-swe-agent's
+batch edge): the error type is recorded, the attempt counts as an
+infrastructure error (the model never raises; a raise is the sandbox's,
+the harness's, the server's or the grader's), and the trajectory is saved
+in `finally`. A grading timeout is an infrastructure error too. Each
+infrastructure error is retried `infra_retries` times at once.
+
+Concurrency: attempts run on a thread pool of `concurrency` workers. Models
+are thread-safe by contract (`TokenModel.generate`); each attempt owns its
+sandboxes; `ResultsWriter` serialises the appends. Ctrl-C cancels attempts
+not yet started; finished ones are already on disk.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Literal, Sequence
+
+from pydantic import Field
+
+from atelier.config import AtelierConfig
+from atelier.eval.metrics import EvalMetrics, compute_metrics
+from atelier.eval.prices import PriceTable, load_prices
+from atelier.eval.records import (META_FILE, SUMMARY_FILE, EvalError, EvalRecord, ResultsWriter,
+                                  read_json, read_records, trajectory_path, write_json)
+from atelier.harness.trajectory import Trajectory
+from atelier.tasks.schema import Task
+
+Progress = Callable[[int, int, EvalRecord], None]
+"""Called after each attempt with (attempts done now, attempts to run now, record)."""
+
+
+class EvalConfig(AtelierConfig):
+    passes: int = Field(1, ge=1)
+    """How many times each task is attempted (K of pass@k and best-of-K)."""
+    concurrency: int = Field(1, ge=1)
+    """Attempts running at once."""
+    backend: Literal["bwrap", "local"] = "bwrap"
+    """Sandbox backend; `local` isolates nothing."""
+    threshold: float = 1.0
+    """A reward at or above this is a success (pass@k)."""
+    infra_retries: int = Field(1, ge=0)
+    """Immediate retries of an attempt that hit an infrastructure error."""
+    env_cache: str | None = None
+    """Where task venvs are built (default `$ATELIER_CACHE/envs`)."""
+
+
+@dataclass
+class EvalSummary:
+    run_dir: Path
+    metrics: EvalMetrics
+    ran: int
+    """Attempts run by this call."""
+    skipped: int
+    """Attempts already finished in the run directory."""
+
+
+def model_name(model: Any) -> str:
+    return str(getattr(model, "name", "") or type(model).__name__)
+
+
+def resolve_model(model: Any, task: Task) -> Any:
+    """A model that needs the task to act (gold replay) has `for_task(task)`."""
+    for_task = getattr(model, "for_task", None)
+    return for_task(task) if callable(for_task) else model
+
+
+def run_eval(model: Any, tasks: Sequence[Task] | str | Path, out_dir: str | Path, passes: int = 1,
+             concurrency: int = 1, agent_config: Any = None, *, config: EvalConfig | None = None,
+             prices: PriceTable | str | Path | None = None, split: str | None = None,
+             progress: Progress | None = None) -> EvalSummary:
+    """Evaluate `model` (a TokenModel, a ChatModel, or an object with
+    `for_task(task)`) on `tasks` (loaded tasks, or a task/suite directory),
+    writing into `out_dir`. `config` wins over `passes` and `concurrency`."""
+    from atelier.eval.tasks import load_tasks
+
+    config = config or EvalConfig(passes=passes, concurrency=concurrency)
+    task_list = load_tasks(tasks, split) if isinstance(tasks, (str, Path)) else list(tasks)
+    if not task_list:
+        raise EvalError("no tasks to evaluate", hint="pass a task directory or a suite of them")
+    table = prices if isinstance(prices, PriceTable) else load_prices(prices)
+    if agent_config is None:
+        from atelier.harness.agent import AgentConfig
+
+        agent_config = AgentConfig()
+    run_dir = Path(out_dir)
+    name = model_name(model)
+    _prepare_run_dir(run_dir, name, task_list, config, agent_config, tasks)
+
+    done = {r.key for r in read_records(run_dir) if not r.infra_error}
+    todo = [(task, i) for i in range(config.passes) for task in task_list if (task.id, i) not in done]
+    skipped = config.passes * len(task_list) - len(todo)
+    writer = ResultsWriter(run_dir)
+
+    def one(task: Task, index: int) -> EvalRecord:
+        for _ in range(config.infra_retries + 1):
+            record = run_attempt(model, task, index, run_dir, config, agent_config, table)
+            writer.append(record)
+            if not record.infra_error:
+                break
+        return record
+
+    pool = ThreadPoolExecutor(max_workers=config.concurrency, thread_name_prefix="eval")
+    try:
+        futures = [pool.submit(one, task, i) for task, i in todo]
+        for n, future in enumerate(as_completed(futures), 1):
+            record = future.result()
+            if progress is not None:
+                progress(n, len(todo), record)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        metrics = summarize(run_dir, passes=config.passes, threshold=config.threshold)
+    return EvalSummary(run_dir=run_dir, metrics=metrics, ran=len(todo), skipped=skipped)
+
+
+def summarize(run_dir: str | Path, *, passes: int | None = None, threshold: float = 1.0) -> EvalMetrics:
+    """Metrics over the run directory's records, also written to summary.json."""
+    run_dir = Path(run_dir)
+    meta = read_json(run_dir / META_FILE) or {}
+    metrics = compute_metrics(read_records(run_dir), passes=passes or meta.get("passes"),
+                              threshold=threshold, model=meta.get("model", ""))
+    metrics.infra_error_attempts = sum(r.infra_error for r in read_records(run_dir, latest=False))
+    write_json(run_dir / SUMMARY_FILE, metrics.to_dict())
+    return metrics
+
+
+def _prepare_run_dir(run_dir: Path, name: str, tasks: list[Task], config: EvalConfig,
+                     agent_config: Any, source: Any) -> None:
+    if run_dir.exists() and not run_dir.is_dir():
+        raise EvalError(f"--out {run_dir} is a file, not a run directory",
+                        hint="pass a new or existing run directory")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    meta = read_json(run_dir / META_FILE)
+    if meta is not None and meta.get("model") != name:
+        raise EvalError(f"run directory {run_dir} holds an evaluation of model {meta.get('model')!r}, "
+                        f"not {name!r}", hint="use a new --out directory for each model")
+    dump = getattr(agent_config, "model_dump", None)
+    now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    ids = list(dict.fromkeys([*(meta or {}).get("tasks", []), *(t.id for t in tasks)]))
+    write_json(run_dir / META_FILE, {
+        "model": name, "tasks": ids,
+        "tasks_source": str(source) if isinstance(source, (str, Path)) else None,
+        "passes": max(config.passes, (meta or {}).get("passes", 0)),
+        "eval_config": config.model_dump(mode="json"),
+        "agent_config": dump(mode="json") if callable(dump) else None,
+        "started": (meta or {}).get("started", now), "updated": now,
+    })
+
+
+def run_attempt(model: Any, task: Task, index: int, run_dir: Path, config: EvalConfig,
+                agent_config: Any, prices: PriceTable) -> EvalRecord:
+    """One task, one pass: episode, grade, record; never raises an Exception."""
+    from atelier.harness.agent import run_episode
+    from atelier.sandbox import create_sandbox
+    from atelier.tasks.envs import ensure_env, env_mounts
+    from atelier.tasks.grade import grade
+
+    name = model_name(model)
+    record = EvalRecord(task_id=task.id, pass_index=index, model=name,
+                        trajectory=trajectory_path(task.id, index))
+    traj: Trajectory | None = None
+    start = time.monotonic()
+    try:
+        venv = ensure_env(task, config.env_cache)
+        sb_config = task.limits.sandbox_config(
+            backend=config.backend, ro_mounts=env_mounts(venv) if venv else [],
+            env=_venv_env(venv))
+        with create_sandbox(task.snapshot, sb_config) as sandbox:
+            traj = run_episode(resolve_model(model, task), sandbox, task.prompt, task_id=task.id,
+                               config=agent_config)
+            diff = traj.final_diff or sandbox.diff()
+            traj.final_diff = diff
+        record.episode_s = time.monotonic() - start
+        if traj.error or traj.exit_reason == "error":
+            record.infra_error = True
+            record.error_type = (traj.error or "error").split(":", 1)[0].strip() or "error"
+            record.error = traj.error
+        else:
+            graded_at = time.monotonic()
+            result = grade(task, diff, backend=config.backend, cache_dir=config.env_cache)
+            record.grade_s = time.monotonic() - graded_at
+            f, p = result.fail_to_pass, result.pass_to_pass
+            record.reward_parts = {"fail_to_pass": f.passed / f.total if f.total else 1.0,
+                                   "pass_to_pass": p.passed / p.total if p.total else 1.0}
+            if result.infra_error:
+                record.infra_error, record.error_type, record.error = True, "GradeTimeout", result.error
+            else:
+                record.reward = result.reward
+                record.success = result.reward >= config.threshold
+                record.grade_error = result.error
+            traj.reward, traj.reward_parts = record.reward, dict(record.reward_parts)
+    except Exception as exc:  # the batch edge: one attempt's failure never stops the run
+        record.infra_error, record.error_type = True, type(exc).__name__
+        record.error = str(exc)[-4000:]
+        record.reward, record.success = None, False
+    finally:
+        record.wall_s = time.monotonic() - start
+        if traj is None:
+            traj = Trajectory(task_id=task.id, model=name, exit_reason="error",
+                              error=f"{record.error_type}: {record.error}")
+        _fill_from_trajectory(record, traj, prices)
+        traj.save(run_dir / record.trajectory)
+    return record
+
+
+def _venv_env(venv: Path | None) -> dict[str, str]:
+    """The agent's `python` and `pytest` are the task's venv, as in grading."""
+    from atelier.sandbox.hostfs import SANDBOX_PATH
+
+    env = {"PYTHONDONTWRITEBYTECODE": "1"}
+    if venv is not None:
+        env.update({"PATH": f"{venv}/bin:{SANDBOX_PATH}", "VIRTUAL_ENV": str(venv)})
+    return env
+
+
+def billed_tokens(traj: Trajectory) -> tuple[int, int]:
+    """(tokens in, tokens out) as an API without prompt caching bills them.
+
+    In: the whole context of every model call. A token model's segments
+    show it exactly (each run of sampled tokens was generated after the
+    tokens before it); a chat model's `prompt` count is the server's usage,
+    already per call. Out: every sampled token (`completion`)."""
+    tokens_out = int(traj.tokens.get("completion", 0))
+    if any(seg.loss_mask for seg in traj.segments):
+        tokens_in = 0
+        for seg in traj.segments:
+            prev = 0
+            for i, mask in enumerate(seg.loss_mask):
+                if mask and not prev:
+                    tokens_in += i
+                prev = mask
+        return tokens_in, tokens_out
+    return int(traj.tokens.get("prompt", 0)), tokens_out
+
+
+def _fill_from_trajectory(record: EvalRecord, traj: Trajectory, prices: PriceTable) -> None:
+    record.exit_reason = record.exit_reason or traj.exit_reason
+    record.tokens = dict(traj.tokens)
+    record.tokens_in, record.tokens_out = billed_tokens(traj)
+    record.turns, record.tool_calls, record.broken_calls = traj.turns, traj.num_tool_calls, traj.broken_calls
+    record.cost = prices.cost(record.model, record.tokens_in, record.tokens_out)
+    record.diff_lines = sum(1 for line in traj.final_diff.splitlines()
+                            if line[:1] in "+-" and not line.startswith(("+++", "---")))
