@@ -40,7 +40,9 @@ def resolve_model_path(spec: str) -> Path:
 def load_model_and_tokenizer(spec: str, device: str = "cpu"):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # keeps --json output one line; our own logs say what loads
     path = resolve_model_path(spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)

@@ -52,9 +52,6 @@ def run_pretrain(config: PretrainConfig, run_dir: str | Path, *, resume: bool = 
 
     from atelier.pretrain.modeling import load_model_and_tokenizer, pick_device, scale_rope_theta
 
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # our own log lines say what happens
     run_dir = Path(run_dir)
     checkpoint = _prepare_run_dir(config, run_dir, resume)
     if config.threads:
