@@ -1,0 +1,36 @@
+"""`atelier serve`: the OpenAI-compatible inference server over a local engine.
+
+Heavy modules are imported inside the command so `atelier --help` stays fast.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+
+def serve(
+    model: str = typer.Option("smollm2-135m", "--model", "-m",
+                              help="A model directory, a known name (smollm2-135m) or a cached hub id."),
+    port: int = typer.Option(8000, "--port", "-p", help="TCP port to listen on."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Interface to bind (0.0.0.0 for all)."),
+    device: str = typer.Option("cpu", "--device", help="torch device: cpu, cuda, cuda:1 ..."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or auto (fp32 on CPU)."),
+    max_batch: int = typer.Option(32, "--max-batch", help="Most sequences decoded together."),
+) -> None:
+    """Serve MODEL over HTTP: /v1/chat/completions (streaming), /v1/completions,
+    /v1/models, /v1/generate (token ids), /v1/weights, /health.
+    Example: atelier serve --model smollm2-135m --port 8000"""
+    import uvicorn
+
+    from atelier.inference.models import open_model
+    from atelier.inference.server import create_app
+
+    with open_model(model, device=device, dtype=dtype, max_batch=max_batch) as engine:
+        typer.echo(f"serving {engine.name} on http://{host}:{port}/v1", err=True)
+        uvicorn.run(create_app(engine), host=host, port=port, log_level="warning")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve)

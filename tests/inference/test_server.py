@@ -1,0 +1,198 @@
+"""The HTTP server through the official `openai` client and our own clients, on a real port."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from atelier.inference.client import GenerateClient, OpenAIChatModel, ServerError, connect, parse_tool_calls
+from atelier.inference.types import ChatModel, SamplingParams, TokenModel
+
+openai = pytest.importorskip("openai")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(spiky_model_dir):
+    """(engine, base_url): uvicorn serving a LocalEngine in a thread for this module."""
+    import uvicorn
+
+    from atelier.inference.engine import LocalEngine
+    from atelier.inference.server import create_app
+
+    engine = LocalEngine(spiky_model_dir, max_batch=8)
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not srv.started and time.monotonic() < deadline and thread.is_alive():
+        time.sleep(0.05)
+    assert srv.started, "uvicorn did not start"
+    yield engine, f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    thread.join(timeout=30)
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server[1] + "/v1", api_key="unused")
+
+
+MESSAGES = [{"role": "user", "content": "Fix the failing test in src/app.py"}]
+
+
+def _chat_ids(engine) -> list[int]:
+    return list(engine.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False))
+
+
+def test_models_and_health(server, oai):
+    engine, url = server
+    models = oai.models.list().data
+    assert [m.id for m in models] == [engine.name]
+    assert models[0].model_extra["atelier"]["tokenizer_path"] == str(engine.path)
+
+
+def test_chat_completion_matches_the_engine(server, oai):
+    engine, _ = server
+    reply = oai.chat.completions.create(model=engine.name, messages=MESSAGES, max_tokens=20, temperature=0,
+                                        logprobs=True)
+    choice = reply.choices[0]
+    direct = engine.generate(_chat_ids(engine), SamplingParams(max_tokens=20, temperature=0))
+    ext = choice.model_extra["atelier"]
+    assert ext["token_ids"] == direct.token_ids and ext["prompt_token_ids"] == _chat_ids(engine)
+    assert choice.message.content == direct.text
+    assert [c.logprob for c in choice.logprobs.content] == pytest.approx(direct.logprobs, abs=1e-5)
+    assert reply.usage.completion_tokens == len(direct.token_ids)
+    assert choice.finish_reason in ("stop", "length")
+
+
+def test_chat_streaming_carries_every_token_once(server, oai):
+    engine, _ = server
+    stream = oai.chat.completions.create(model=engine.name, messages=MESSAGES, max_tokens=24, temperature=0,
+                                         stream=True)
+    text, ids, versions, finish = "", [], [], None
+    for chunk in stream:
+        choice = chunk.choices[0]
+        text += choice.delta.content or ""
+        ids += choice.model_extra["atelier"]["token_ids"]
+        versions += choice.model_extra["atelier"]["versions"]
+        finish = choice.finish_reason or finish
+    direct = engine.generate(_chat_ids(engine), SamplingParams(max_tokens=24, temperature=0))
+    assert ids == direct.token_ids and text == direct.text and finish == direct.finish_reason
+    assert versions == [engine.version] * len(ids)
+
+
+def test_completions_text_and_token_prompts(server, oai):
+    engine, _ = server
+    prompt = "def main():\n"
+    ids = engine.tokenizer.encode(prompt)
+    direct = engine.generate(ids, SamplingParams(max_tokens=12, temperature=0))
+    by_text = oai.completions.create(model=engine.name, prompt=prompt, max_tokens=12, temperature=0, logprobs=1)
+    by_ids = oai.completions.create(model=engine.name, prompt=ids, max_tokens=12, temperature=0)
+    assert by_text.choices[0].text == direct.text == by_ids.choices[0].text
+    assert by_text.choices[0].logprobs.token_logprobs == pytest.approx(direct.logprobs, abs=1e-5)
+    streamed = "".join(c.choices[0].text for c in oai.completions.create(
+        model=engine.name, prompt=prompt, max_tokens=12, temperature=0, stream=True))
+    assert streamed == direct.text
+
+
+def test_generate_client_is_a_token_model_and_sees_weight_updates(server, tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    engine, url = server
+    with GenerateClient(url + "/v1") as client:
+        assert isinstance(client, TokenModel) and client.name == engine.name
+        ids = client.tokenizer.encode("import os")
+        params = SamplingParams(max_tokens=16, temperature=0.8, seed=7)
+        got, direct = client.generate(ids, params), engine.generate(ids, params)
+        assert (got.token_ids, got.versions) == (direct.token_ids, direct.versions)
+        assert got.logprobs == pytest.approx(direct.logprobs, abs=1e-6)
+        key = "model.norm.weight"
+        save_file({key: engine.model.state_dict()[key].clone()}, str(tmp_path / "w.safetensors"))
+        before = engine.version
+        assert client.update_weights_from_path(str(tmp_path / "w.safetensors"), before + 1) == 1
+        assert client.version == before + 1
+        assert set(client.generate(ids, params).versions) == {before + 1}
+
+
+def test_server_errors_reach_the_client_as_messages(server):
+    _, url = server
+    with GenerateClient(url) as client:
+        with pytest.raises(ServerError, match="empty prompt"):
+            client.generate([], SamplingParams(max_tokens=2))
+        with pytest.raises(ServerError, match="no safetensors"):
+            client.update_weights_from_path("/nonexistent/dir", 99)
+
+
+def test_openai_chat_model_and_connect(server):
+    engine, url = server
+    model = connect(url)
+    assert isinstance(model, GenerateClient)
+    chat = OpenAIChatModel(url, api_key="k")
+    assert isinstance(chat, ChatModel) and chat.name == engine.name
+    reply = chat.chat(MESSAGES, SamplingParams(max_tokens=10, temperature=0))
+    direct = engine.generate(_chat_ids(engine), SamplingParams(max_tokens=10, temperature=0))
+    assert reply.text == direct.text and reply.completion_tokens == len(direct.token_ids)
+
+
+def test_unreachable_server_says_how_to_start_one():
+    with pytest.raises(ServerError, match="cannot reach") as info:
+        OpenAIChatModel(f"http://127.0.0.1:{_free_port()}", model="m").chat(MESSAGES)
+    assert "atelier serve" in info.value.hint
+
+
+def test_parse_native_tool_calls():
+    raw = [{"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "a.py"}'}},
+           {"id": "c2", "type": "function", "function": {"name": "edit_file", "arguments": '{"path": '}}]
+    assert parse_tool_calls(raw) == [{"id": "c1", "name": "read_file", "arguments": {"path": "a.py"}},
+                                     {"id": "c2", "name": "edit_file", "arguments": '{"path": '}]
+
+
+def test_open_model_on_a_url_connects(server):
+    from atelier.inference.models import open_model
+
+    engine, url = server
+    with open_model(url + "/v1") as client:
+        assert isinstance(client, GenerateClient) and client.name == engine.name
+
+
+def test_atelier_serve_command_serves_and_missing_model_hints(tiny_model_dir, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    import httpx
+
+    env = {**os.environ, "ATELIER_CACHE": str(tmp_path / "cache")}
+    cli = [sys.executable, "-m", "atelier.cli.main", "serve"]
+    missing = subprocess.run(cli + ["--model", "smollm2-135m"], env=env, capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "atelier models pull smollm2-135m" in missing.stderr
+    port = _free_port()
+    proc = subprocess.Popen(cli + ["--model", str(tiny_model_dir), "--port", str(port)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, "server did not come up"
+                time.sleep(0.2)
+        assert health["status"] == "ok" and health["version"] == 0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
