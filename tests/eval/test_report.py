@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from atelier.eval.plots import pareto_front, training_families
+from atelier.eval.plots import flatten_training_row, pareto_front, training_families
 from atelier.eval.records import EvalError, EvalRecord, ResultsWriter, trajectory_path, write_json
 from atelier.eval.report import build_report, discover_runs
 from atelier.harness.trajectory import ToolCallRecord, Trajectory
@@ -54,8 +54,12 @@ def runs(tmp_path: Path) -> list[Path]:
     after = write_run(tmp_path / "train" / "eval-after", "smol<b>", {"t1": [1.0, 0.0], "t<2>": [1.0, 1.0]}, 0.02)
     with open(tmp_path / "train" / "metrics.jsonl", "w") as fh:
         for step in range(5):
-            fh.write(json.dumps({"step": step, "reward_mean": step / 4, "kl": 0.01 * step,
-                                 "staleness_mean": 0.5, "tokens_per_s": 100 + step}) + "\n")
+            # the shape atelier.rl writes; missing and unknown keys are fine
+            fh.write(json.dumps({"step": step, "reward_mean": step / 4, "reward_parts": {"correct": 0.5},
+                                 "pass_rate": step / 5, "kl_k1": 0.01 * step, "loss": 1.0 / (step + 1),
+                                 "staleness_hist": {"0": 3, "1": 1}, "staleness_max": 1,
+                                 "gen_tokens_per_s": 100 + step, "ledger": {"trained": step},
+                                 "mode": "async"}) + "\n")
         fh.write('{"step": 5, "reward_mean": 1.0, "kl": 0.0\n')  # a line cut short by a kill
     assert before.parent == after.parent
     return [tmp_path / "train"]
@@ -65,6 +69,9 @@ def test_pareto_front_and_training_keys() -> None:
     assert pareto_front([(1.0, 0.5), (2.0, 0.4), (3.0, 0.9), (0.5, 0.1)]) == [3, 0, 2]
     fams = training_families([{"step": 1, "reward_mean": 0.1, "kl": 0.2, "policy_loss": 1.0, "note": "x"}])
     assert fams == {"reward": ["reward_mean"], "KL": ["kl"], "loss": ["policy_loss"]}
+    row = flatten_training_row({"step": 2, "reward_parts": {"correct": 1.0}, "ledger": {"trained": 4},
+                                "staleness_hist": {"0": 3, "2": 1}})
+    assert row == {"step": 2, "reward_parts.correct": 1.0, "staleness_mean": 0.5}
 
 
 def test_discover_a_training_run_with_eval_subdirs(runs: list[Path]) -> None:

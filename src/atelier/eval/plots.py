@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 # Training metric families the report plots, each matched by substrings of the JSONL keys.
 TRAINING_FAMILIES: dict[str, tuple[str, ...]] = {
     "reward": ("reward",),
-    "pass rate": ("pass_rate", "pass@", "solve_rate", "success"),
+    "pass rate": ("pass_rate", "pass@", "solve_rate", "success", "best_of"),
     "KL": ("kl",),
     "staleness": ("stale", "lag", "off_policy"),
     "tokens/s": ("tokens_per_s", "tok_per_s", "tokens/s", "throughput"),
@@ -92,6 +92,32 @@ def pareto_plot(runs: Sequence[dict], x_label: str) -> str:
     return to_img(fig, "accuracy against cost (Pareto)")
 
 
+def flatten_training_row(row: dict) -> dict:
+    """One level of nesting flattened (`reward_parts.correctness`), a
+    histogram (`staleness_hist`: {"0": n0, "1": n1}) turned into its mean
+    (`staleness_mean`), bookkeeping counts (`ledger`) left out."""
+    out: dict = {}
+    for key, value in row.items():
+        if not isinstance(value, dict):
+            out[key] = value
+        elif "hist" in key:
+            pairs = [(float(k), v) for k, v in value.items() if _is_num(v) and _is_float(k)]
+            total = sum(v for _, v in pairs)
+            if total:
+                out[key.replace("hist", "mean")] = sum(k * v for k, v in pairs) / total
+        elif key != "ledger":
+            out.update({f"{key}.{k}": v for k, v in value.items()})
+    return out
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def training_families(rows: Sequence[dict]) -> dict[str, list[str]]:
     """Which numeric keys of the training log fall in each plotted family."""
     keys: dict[str, None] = {}
@@ -111,6 +137,7 @@ def training_families(rows: Sequence[dict]) -> dict[str, list[str]]:
 def training_plot(rows: Sequence[dict], title: str) -> str | None:
     """Small multiples of reward, pass rate, KL, staleness, tokens/s (and loss)
     against the step; None when the log has none of them."""
+    rows = [flatten_training_row(r) for r in rows]
     families = training_families(rows)
     if not families:
         return None
