@@ -90,11 +90,11 @@ def prepare_run_dir(config: TrainConfig, run_dir: Path, resume: bool) -> None:
     (run_dir / "config.toml").write_text(dump_config(config))
 
 
-def make_backend(config: TrainConfig, env, model_path: Path, version: int, reader):
+def make_backend(config: TrainConfig, env, model_path: Path, version: int, reader, chain_root: Path | None):
     if config.launcher == "ray":
         from atelier.rl.ray_launcher import RayBackend
 
-        return RayBackend(config, model_path, version)
+        return RayBackend(config, model_path, version, chain_root=chain_root, reader=reader)
     from atelier.inference.engine import LocalEngine
     from atelier.rl.backends import LocalBackend
 
@@ -107,6 +107,9 @@ def run_training(config: TrainConfig, run_dir: str | Path, resume: bool = False,
     """Train until the epoch (or `trainer.steps`) is done; resumable after any crash."""
     from atelier.rl.trainer import Trainer
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     start = time.perf_counter()
     run_dir = Path(run_dir)
     prepare_run_dir(config, run_dir, resume)
@@ -130,12 +133,13 @@ def run_training(config: TrainConfig, run_dir: str | Path, resume: bool = False,
         writer.truncate_after(step)
         reader = DeltaChainWeightSync(root, full_every=config.sync.full_every)
     else:
+        root = None
         writer = reader = InProcessWeightSync()
     if (writer.latest() or (None, -1))[1] != step:  # readers start from the trainer's weights
         writer.publish(trainer.state_dict(), step)
 
     env = make_environment(config.env, config.rollout, config.shaping, config.seed)
-    backend = make_backend(config, env, model_path, step, reader)
+    backend = make_backend(config, env, model_path, step, reader, root)
     tokenizer = _tokenizer(model_path)
     reconciler = Reconciler(ledger=ledger, tasks=env.tasks(), category=env.category, backend=backend,
                             cfg=config.rollout, curriculum=Curriculum(config.curriculum),

@@ -1,0 +1,163 @@
+"""The Ray launcher: inference and environments as Ray actors (the only module that imports ray).
+
+- `InferenceActor` holds a `LocalEngine` (continuous batching); it is a
+  threaded actor, so many `generate` calls block inside it at once and the
+  engine batches them. Weights arrive either through the object store
+  (in-process sync) or, with `sync.kind = "delta"`, by the actor rebuilding
+  them itself from the delta chain on shared storage — the cluster path:
+  only a few bytes of control message cross Ray per step.
+- `RolloutActor`s each hold an environment and a `RemoteTokenModel`, a
+  `TokenModel` whose `generate` is a call to the inference actor; the
+  harness cannot tell the difference.
+- The driver process keeps the trainer and the reconciler; `RayBackend`
+  implements the reconciler's `RolloutBackend` by submitting rollouts to the
+  actors and reporting each result from a waiting thread.
+
+Failures: a rollout that raises inside an actor, or an actor that dies
+(`RayActorError`; actors restart up to twice), reaches the reconciler as an
+infrastructure failure of that one rollout: retried, never scored.
+
+Multi-node: start Ray on each node (`ray start --head` on one, `ray start
+--address=HEAD:6379` on the others), put the run directory (or at least
+`sync.dir`) on storage every node mounts, use `sync.kind = "delta"`, and run
+`atelier train RECIPE --set launcher=ray` on the head node; the driver joins
+the running cluster (`ray.init(address="auto")`) when one exists.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from atelier.errors import AtelierError
+from atelier.inference.types import Generation, SamplingParams
+from atelier.rl.config import TrainConfig
+from atelier.rl.reconciler import DoneCallback
+
+
+class RayLaunchError(AtelierError):
+    """Ray could not start or reach its actors."""
+
+
+@ray.remote(num_cpus=0, max_restarts=2)
+class InferenceActor:
+    def __init__(self, model_path: str, version: int, max_batch: int) -> None:
+        import torch
+
+        from atelier.inference.engine import LocalEngine
+
+        torch.set_num_threads(1)
+        self.engine = LocalEngine(model_path, version=version, max_batch=max_batch)
+        self.chain = None
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        return self.engine.generate(prompt_ids, params)
+
+    def update_weights(self, state_dict: dict, version: int) -> int:
+        self.engine.update_weights(state_dict, version)
+        return self.engine.version
+
+    def update_from_chain(self, root: str, version: int) -> int:
+        from atelier.rl.weight_sync import DeltaChainWeightSync
+
+        if self.chain is None:
+            self.chain = DeltaChainWeightSync(root)
+        latest = self.chain.latest()
+        if latest is None or latest[1] != version:
+            raise RuntimeError(f"delta chain at {root} has step {latest and latest[1]}, expected {version}")
+        self.engine.update_weights(latest[0], version)
+        return self.engine.version
+
+    def version(self) -> int:
+        return self.engine.version
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class RemoteTokenModel:
+    """A `TokenModel` that generates on an `InferenceActor`."""
+
+    def __init__(self, actor, model_path: str, name: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.actor, self.name = actor, name
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        return ray.get(self.actor.generate.remote(prompt_ids, params))
+
+
+@ray.remote(num_cpus=0, max_restarts=2)
+class RolloutActor:
+    def __init__(self, config_json: str, inference, model_path: str) -> None:
+        from atelier.rl.env import make_environment
+
+        config = TrainConfig.model_validate_json(config_json)
+        self.env = make_environment(config.env, config.rollout, config.shaping, config.seed)
+        self.model = RemoteTokenModel(inference, model_path, Path(model_path).name)
+
+    def rollout(self, task: Any, seed: int) -> dict:
+        return self.env.rollout(task, self.model, seed).to_dict()
+
+
+class RayBackend:
+    """`RolloutBackend` over Ray actors; see the module docstring."""
+
+    def __init__(self, config: TrainConfig, model_path: Path, version: int, chain_root: Path | None = None,
+                 reader=None, actors: int = 2) -> None:
+        if not ray.is_initialized():
+            try:
+                ray.init(address="auto", include_dashboard=False, log_to_driver=False)
+            except (ConnectionError, RuntimeError):
+                ray.init(include_dashboard=False, log_to_driver=False)
+        workers = config.rollout.workers
+        self.chain_root, self.reader = chain_root, reader
+        self._version = version
+        self.inference = InferenceActor.options(max_concurrency=workers + 4).remote(
+            str(model_path), version, max(8, workers))
+        n = max(1, min(actors, workers))
+        per_actor = -(-workers // n)
+        self.actors = [RolloutActor.options(max_concurrency=per_actor).remote(
+            config.model_dump_json(), self.inference, str(model_path)) for _ in range(n)]
+        self._next = 0
+        self.waiters = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ray-rollout")
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def submit(self, slot_id: str, task: Any, seed: int, done: DoneCallback) -> None:
+        from atelier.harness.trajectory import Trajectory
+
+        actor = self.actors[self._next % len(self.actors)]
+        self._next += 1
+        ref = actor.rollout.remote(task, seed)
+
+        def wait() -> None:
+            try:
+                traj = Trajectory.from_dict(ray.get(ref))
+            except Exception as exc:  # the batch edge: RayTaskError, RayActorError
+                done(slot_id, None, exc)
+            else:
+                done(slot_id, traj, None)
+
+        self.waiters.submit(wait)
+
+    def update_weights(self, version: int) -> None:
+        if self.chain_root is not None:
+            ray.get(self.inference.update_from_chain.remote(str(self.chain_root), version))
+        else:
+            state_dict, step = self.reader.latest()
+            if step != version:
+                raise RuntimeError(f"weights of version {version} were not published (have {step})")
+            ray.get(self.inference.update_weights.remote(state_dict, version))
+        self._version = version
+
+    def close(self) -> None:
+        self.waiters.shutdown(wait=False, cancel_futures=True)
+        for actor in [*self.actors, self.inference]:
+            ray.kill(actor)
