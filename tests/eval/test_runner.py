@@ -187,3 +187,23 @@ def test_bad_inputs_are_typed_errors(tmp_path: Path, suite: Path, capsys) -> Non
                                 "--split", "test", "--out", out)
     assert "run directory not found" in fails("report", str(tmp_path / "missing"), "--out", str(tmp_path / "r.html"))
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_cli_with_a_local_model_directory(suite: Path, tmp_path: Path, env_cache: str, tiny_model_dir,
+                                          monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """A real (tiny, random) model through open_model and the local engine:
+    its babble solves nothing, but every attempt is valid and measured."""
+    cache_root = tmp_path / "cache"
+    cache_root.mkdir()
+    (cache_root / "envs").symlink_to(env_cache)
+    monkeypatch.setenv("ATELIER_CACHE", str(cache_root))
+    with pytest.raises(SystemExit) as info:
+        cli.main(["eval", "--model", str(tiny_model_dir), "--tasks", str(suite / "calc-add"),
+                  "--out", str(tmp_path / "run"), "--max-turns", "2", "--set", "sampling.max_tokens=8",
+                  "--set", "sampling.seed=0", "--json"])
+    assert info.value.code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["valid_attempts"] == 1 and out["infra_errors"] == 0 and out["accuracy"] == 0.0
+    assert out["tokens"]["completion"] > 0 and out["median_cost"] is None  # no price for this model
+    assert out["exit_reasons"] in ({"max_turns": 1}, {"max_tokens": 1})

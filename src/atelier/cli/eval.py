@@ -29,6 +29,11 @@ def eval_cmd(
     backend: Backend = typer.Option(Backend.bwrap, "--backend", help="bwrap (isolated) or local (isolates nothing)."),
     agent_recipe: Optional[Path] = typer.Option(None, "--agent-config", help="AgentConfig TOML recipe."),
     overrides: List[str] = typer.Option([], "--set", help="Agent config override, e.g. --set max_turns=20."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY",
+                                          help="Bearer key for an http(s) model server."),
+    served_model: Optional[str] = typer.Option(None, "--served-model",
+                                               help="Model name to request from an http(s) server "
+                                                    "(default: the first it lists)."),
     as_json: bool = typer.Option(False, "--json", help="Print the metrics as one JSON object only."),
 ) -> None:
     """Evaluate MODEL on TASKS: sandbox per attempt, agent loop, hidden-test grading.
@@ -48,7 +53,7 @@ def eval_cmd(
     agent_config = load_config(AgentConfig, agent_recipe, sets)
     table = load_prices(prices)
     task_list = load_tasks(tasks, split)
-    policy = open_eval_model(model)
+    policy = open_eval_model(model, api_key=api_key, served_model=served_model)
     config = EvalConfig(passes=passes, concurrency=concurrency, backend=backend.value)
 
     def progress(done: int, total: int, rec) -> None:
@@ -58,8 +63,13 @@ def eval_cmd(
         typer.echo(f"[{done}/{total}] {rec.task_id} pass {rec.pass_index}: {outcome} "
                    f"({rec.turns} turns, {rec.wall_s:.1f} s)", err=True)
 
-    summary = run_eval(policy, task_list, out, agent_config=agent_config, config=config,
-                       prices=table, progress=progress)
+    try:
+        summary = run_eval(policy, task_list, out, agent_config=agent_config, config=config,
+                           prices=table, progress=progress)
+    finally:
+        close = getattr(policy, "close", None)
+        if callable(close):
+            close()
     m = summary.metrics
     if as_json:
         print(json.dumps({"run_dir": str(summary.run_dir), "ran": summary.ran,

@@ -51,8 +51,9 @@ def empty_texts(task: Task) -> list[str]:
     return [format_call("submit", {"message": "No change."})]
 
 
-def open_eval_model(spec: str, **kwargs: Any) -> Any:
-    """What `--model SPEC` names (see the module docstring)."""
+def open_eval_model(spec: str, *, api_key: str | None = None, served_model: str | None = None) -> Any:
+    """What `--model SPEC` names (see the module docstring); `api_key` and
+    `served_model` go to an http(s) server."""
     if not spec:
         raise EvalError("--model is empty", hint="pass a model directory, a name such as smollm2-135m, "
                                                  "a server URL, or scripted:gold")
@@ -69,6 +70,8 @@ def open_eval_model(spec: str, **kwargs: Any) -> Any:
         path = Path(spec[len("script:"):])
         texts = load_script(path)
         return ScriptedPolicy(f"scripted:{path.stem}", lambda task: texts)
-    from atelier.inference.models import open_model
+    from atelier.inference.models import is_url, open_model
 
-    return open_model(spec, **kwargs)
+    if is_url(spec):
+        return open_model(spec, api_key=api_key, model=served_model)
+    return open_model(spec)
