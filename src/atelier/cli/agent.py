@@ -23,7 +23,7 @@ def agent(
     repo: Path = typer.Option(Path("."), "--repo", "-r", help="Repository to work on (copied into a sandbox)."),
     apply: bool = typer.Option(False, "--apply", help="Apply the final diff to DIR (otherwise DIR is untouched)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Trajectory JSON path "
-                                       "[default: atelier-agent-<time>.json here]."),
+                                       "(default: atelier-agent-TIME.json in the current directory)."),
     max_turns: Optional[int] = typer.Option(None, "--max-turns", help="Most model turns."),
     backend: Backend = typer.Option(Backend.bwrap, "--backend", help="bwrap (isolated) or local (isolates nothing)."),
     script: Optional[Path] = typer.Option(None, "--script", help="JSON list of assistant texts to replay instead "

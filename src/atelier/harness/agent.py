@@ -59,7 +59,8 @@ def run_episode(model: Any, sandbox: Any, prompt: str, *, task_id: str = "", con
         while True:
             _check_limits(config, traj, started)
             trigger = config.summary_trigger_tokens
-            if trigger and window.size >= trigger and traj.summaries < config.max_summaries:
+            if (trigger and window.size >= trigger and window.turns_in_segment
+                    and traj.summaries < config.max_summaries):
                 _summarize(window, tools, ctx, prompt, config, traj, past_messages or [], emit)
             room = min(config.sampling.max_tokens, config.max_context_tokens - window.size,
                        config.max_tokens - traj.tokens.get("completion", 0))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from atelier.harness.config import AgentConfig
 from atelier.harness.errors import FormatError
@@ -74,14 +74,29 @@ def stop_ids(tokenizer: Any) -> tuple[int, ...]:
 
 
 class TokenContext:
+    """The current segment of a token model's episode.
+
+    Rendering the whole history with the chat template each turn costs time
+    linear in the history. Templates that render each message on its own
+    (ChatML, Llama 3, most others) give the same delta when rendered over
+    just the system message and the last message; the first `PROBES` deltas
+    of an episode are computed both ways, and only if they agree does the
+    rest of the episode use the short form. A template that looks further
+    back keeps full renders throughout.
+    """
+
+    PROBES = 3
+
     def __init__(self, model: Any, config: AgentConfig, traj: Trajectory) -> None:
         self.model, self.config, self.traj = model, config, traj
         self.tok = model.tokenizer
         self.stop = stop_ids(self.tok)
         self.messages: list[dict[str, Any]] = []
         self.segment = Segment()
-        self.prompt_text = ""   # render(messages, add_generation_prompt=True): what the segment's text is
         self.glue = ""          # template text after the last assistant message that was not sampled
+        self.turns_in_segment = 0
+        self.local: bool | None = None   # None: still probing whether the template renders locally
+        self.probes = 0
 
     def render(self, messages: list[dict[str, Any]], gen: bool) -> str:
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
@@ -96,12 +111,33 @@ class TokenContext:
     def size(self) -> int:
         return len(self.segment)
 
+    def _derive(self, extra: list[dict[str, Any]], gen_before: bool, gen_after: bool,
+                derive: Callable[[str, str], str]) -> str:
+        """derive(render(messages, gen_before), render(messages + extra, gen_after)),
+        over the full history or, once proven equivalent, the short one."""
+        def over(history: list[dict[str, Any]]) -> str:
+            return derive(self.render(history, gen_before), self.render([*history, *extra], gen_after))
+
+        short = self.messages[:1] + self.messages[-1:] if len(self.messages) > 2 else None
+        if short is None:
+            return over(self.messages)
+        if self.local:
+            return over(short)
+        full = over(self.messages)
+        if self.local is None:
+            self.probes += 1
+            if over(short) != full:
+                self.local = False
+            elif self.probes >= self.PROBES:
+                self.local = True
+        return full
+
     def start(self, messages: list[dict[str, Any]]) -> None:
         self.messages = list(messages)
-        self.prompt_text = self.render(self.messages, True)
-        ids = self.encode(self.prompt_text)
+        ids = self.encode(self.render(self.messages, True))
         self.segment = Segment()
         self.segment.extend_prompt(ids)
+        self.turns_in_segment = 0
         self.traj.segments.append(self.segment)
         self.traj.messages.extend(messages)
         self.traj.add_tokens("prompt", len(ids))
@@ -113,32 +149,36 @@ class TokenContext:
         gen = self.model.generate(list(self.segment.token_ids), params)
         self.segment.extend_sampled(gen.token_ids, gen.logprobs, gen.versions)
         ended = bool(gen.token_ids) and gen.token_ids[-1] in self.stop
-        content_ids = gen.token_ids[:-1] if ended else gen.token_ids
-        content = self.tok.decode(content_ids, skip_special_tokens=False)
+        content = self.tok.decode(gen.token_ids[:-1] if ended else gen.token_ids, skip_special_tokens=False)
         assistant = {"role": "assistant", "content": content}
-        full = self.render([*self.messages, assistant], False)
-        if full.startswith(self.prompt_text + content):
-            tail = full[len(self.prompt_text) + len(content):]
-        else:  # the template rewrote the message (e.g. stripped reasoning): find the content's end
-            at = full.rfind(content) if content else -1
-            tail = full[at + len(content):] if at >= 0 else self.tok.decode(self.stop[:1]) + "\n"
+        fallback = self.tok.decode(self.stop[:1]) + "\n"
+
+        def tail(before: str, after: str) -> str:
+            """What the template writes after the assistant's content."""
+            if after.startswith(before + content):
+                return after[len(before) + len(content):]
+            at = after.rfind(content) if content else -1  # the template rewrote the message
+            return after[at + len(content):] if at >= 0 else fallback
+
+        rest = self._derive([assistant], True, False, tail)
         eos_text = self.tok.decode(gen.token_ids[-1:], skip_special_tokens=False) if ended else ""
-        self.glue = tail[len(eos_text):] if eos_text and tail.startswith(eos_text) else tail
-        self.prompt_text = full
+        self.glue = rest[len(eos_text):] if eos_text and rest.startswith(eos_text) else rest
         self.messages.append(assistant)
         self.traj.messages.append(assistant)
         self.traj.add_tokens("completion", len(gen.token_ids))
+        self.turns_in_segment += 1
         return Turn(content, parse_tool_calls(content), len(gen.token_ids), gen.finish_reason)
 
     def add_messages(self, new: list[dict[str, Any]]) -> int:
-        nxt = self.render([*self.messages, *new], True)
-        if nxt.startswith(self.prompt_text):
-            delta = nxt[len(self.prompt_text):]
-        else:  # a template that renders history differently once more follows: keep what we have
-            delta = nxt[len(os.path.commonprefix([nxt, self.prompt_text])):]
-        ids = self.encode(self.glue + delta)
+        def delta(before: str, after: str) -> str:
+            if after.startswith(before):
+                return after[len(before):]
+            # A template that renders history differently once more follows: keep what we have.
+            return after[len(os.path.commonprefix([after, before])):]
+
+        ids = self.encode(self.glue + self._derive(new, False, True, delta))
         self.segment.extend_prompt(ids)
-        self.glue, self.prompt_text = "", nxt
+        self.glue = ""
         self.messages.extend(new)
         self.traj.messages.extend(new)
         return len(ids)
@@ -156,12 +196,14 @@ class ChatContext:
         self.model, self.config, self.traj, self.tools = model, config, traj, tools
         self.messages: list[dict[str, Any]] = []
         self.size = 0
+        self.turns_in_segment = 0
 
     def count(self, text: str) -> int:
         return (len(text) + 3) // 4  # no tokenizer: the usual 4 characters per token
 
     def start(self, messages: list[dict[str, Any]]) -> None:
         self.messages = list(messages)
+        self.turns_in_segment = 0
         self.size = sum(self.count(m["content"]) for m in messages)
         self.traj.messages.extend(messages)
 
@@ -181,6 +223,7 @@ class ChatContext:
         self.traj.messages.append(assistant)
         sampled = reply.completion_tokens or self.count(reply.text)
         self.size = (reply.prompt_tokens or self.size) + sampled
+        self.turns_in_segment += 1
         self.traj.add_tokens("prompt", reply.prompt_tokens)
         self.traj.add_tokens("completion", sampled)
         return Turn(reply.text, parsed, sampled, reply.finish_reason)

@@ -43,7 +43,7 @@ class ScriptedModel:
     """Replays `texts` in order, one per `generate` call; thread-safe."""
 
     def __init__(self, tokenizer: Any, texts: Sequence[str], *, name: str = "scripted", version: int = 0,
-                 append_eos: bool = True) -> None:
+                 append_eos: bool = True, record_prompts: bool = True) -> None:
         if isinstance(tokenizer, (str, Path)):
             from transformers import AutoTokenizer
 
@@ -52,6 +52,7 @@ class ScriptedModel:
         self.name = name
         self.version = version
         self.append_eos = append_eos
+        self.record_prompts = record_prompts   # off for long benchmark runs: prompts grow with every turn
         self.texts = list(texts)
         self.prompts: list[list[int]] = []
         self.outputs: list[list[int]] = []
@@ -74,7 +75,8 @@ class ScriptedModel:
             finish = "stop"
             if len(ids) > params.max_tokens:
                 ids, finish = ids[: params.max_tokens], "length"
-            self.prompts.append(list(prompt_ids))
+            if self.record_prompts:
+                self.prompts.append(list(prompt_ids))
             self.outputs.append(ids)
         return Generation(token_ids=ids, logprobs=[0.0] * len(ids), versions=[self.version] * len(ids),
                           finish_reason=finish, text=self.tokenizer.decode(ids))

@@ -122,8 +122,8 @@ def bm25(chunks: list[Chunk], query: list[str]) -> list[tuple[float, Chunk]]:
 
 
 def _snippet(chunk: Chunk, query: set[str], width: int = 6) -> tuple[int, list[str]]:
-    """The `width` lines of the chunk with the most query words."""
-    hits = [sum(t in query for t in terms(line)) for line in chunk.lines]
+    """The `width` lines of the chunk where query words appear most (substring test: cheap)."""
+    hits = [sum(t in low for t in query) for low in (line.lower() for line in chunk.lines)]
     best = max(range(max(1, len(hits) - width + 1)), key=lambda i: (sum(hits[i:i + width]), -i))
     return chunk.start + best, chunk.lines[best:best + width]
 
