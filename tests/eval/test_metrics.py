@@ -130,3 +130,15 @@ def test_price_table_longest_pattern_wins_and_unknown_has_no_price(tmp_path) -> 
     path.write_text('[models."x"]\ninput = -1\noutput = 0\n')
     with pytest.raises(EvalError, match="price table"):
         load_prices(path)
+
+
+def test_each_pass_gets_its_own_seed() -> None:
+    from atelier.eval.runner import PASS_SEED_STRIDE, config_for_pass
+    from atelier.harness.config import AgentConfig
+
+    unseeded = AgentConfig()
+    assert config_for_pass(unseeded, 3) is unseeded
+    seeded = AgentConfig.model_validate({"sampling": {"seed": 7}})
+    seeds = [config_for_pass(seeded, i).sampling.seed for i in range(3)]
+    assert seeds == [7, 7 + PASS_SEED_STRIDE, 7 + 2 * PASS_SEED_STRIDE]
+    assert seeded.sampling.seed == 7  # the caller's config is not changed

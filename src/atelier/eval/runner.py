@@ -183,7 +183,7 @@ def run_attempt(model: Any, task: Task, index: int, run_dir: Path, config: EvalC
             env=_venv_env(venv))
         with create_sandbox(task.snapshot, sb_config) as sandbox:
             traj = run_episode(resolve_model(model, task), sandbox, task.prompt, task_id=task.id,
-                               config=agent_config)
+                               config=config_for_pass(agent_config, index))
             diff = traj.final_diff or sandbox.diff()
             traj.final_diff = diff
         record.episode_s = time.monotonic() - start
@@ -217,6 +217,21 @@ def run_attempt(model: Any, task: Task, index: int, run_dir: Path, config: EvalC
         _fill_from_trajectory(record, traj, prices)
         traj.save(run_dir / record.trajectory)
     return record
+
+
+def config_for_pass(agent_config: Any, index: int) -> Any:
+    """Pass i samples with seed + i·PASS_SEED_STRIDE when a seed is set: with
+    one seed for every pass, all K attempts would be the same sample and
+    pass@k would equal pass@1."""
+    sampling = getattr(agent_config, "sampling", None)
+    if sampling is None or sampling.seed is None or index == 0:
+        return agent_config
+    seed = sampling.seed + index * PASS_SEED_STRIDE
+    return agent_config.model_copy(update={"sampling": sampling.model_copy(update={"seed": seed})})
+
+
+PASS_SEED_STRIDE = 100_003
+"""Larger than any turn count, so turn seeds (seed + t) of passes never meet."""
 
 
 def _venv_env(venv: Path | None) -> dict[str, str]:
