@@ -53,6 +53,9 @@ def run_episode(model: Any, sandbox: Any, prompt: str, *, task_id: str = "", con
     window = (TokenContext(model, config, traj) if hasattr(model, "generate")
               else ChatContext(model, config, traj, [t.openai_schema() for t in tools.values()]
                                if config.native_tools else None))
+    # A model that knows its context length (the local engine) bounds the segment too.
+    limit = min(config.max_context_tokens, getattr(model, "max_seq_len", None) or config.max_context_tokens)
+    traj.limits["max_context_tokens"] = limit
     started = time.monotonic()
     try:
         window.start(build_messages(tools, prompt, past_messages=past_messages or []))
@@ -61,11 +64,11 @@ def run_episode(model: Any, sandbox: Any, prompt: str, *, task_id: str = "", con
             trigger = config.summary_trigger_tokens
             if (trigger and window.size >= trigger and window.turns_in_segment
                     and traj.summaries < config.max_summaries):
-                _summarize(window, tools, ctx, prompt, config, traj, past_messages or [], emit)
-            room = min(config.sampling.max_tokens, config.max_context_tokens - window.size,
+                _summarize(window, tools, ctx, prompt, config, traj, past_messages or [], emit, limit)
+            room = min(config.sampling.max_tokens, limit - window.size,
                        config.max_tokens - traj.tokens.get("completion", 0))
             if room <= 0:
-                raise LimitsExceeded("context", f"segment holds {window.size} of {config.max_context_tokens} tokens")
+                raise LimitsExceeded("context", f"segment holds {window.size} of {limit} tokens")
             turn = window.sample(room, _seed(config, traj.turns))
             traj.turns += 1
             emit(Event("turn", traj.turns, text=turn.text))
@@ -117,10 +120,10 @@ def _act(turn: Turn, tools: dict[str, Tool], ctx: ToolContext, traj: Trajectory,
 
 
 def _summarize(window: Any, tools: dict[str, Tool], ctx: ToolContext, prompt: str, config: AgentConfig,
-               traj: Trajectory, past_messages: list[str], emit: Callable[[Event], None]) -> None:
+               traj: Trajectory, past_messages: list[str], emit: Callable[[Event], None], limit: int) -> None:
     """Ask for a summary in the current segment, then restart the context from it."""
     window.add_messages([{"role": "user", "content": SUMMARY_REQUEST}])
-    room = min(config.summary_max_tokens, config.max_context_tokens - window.size,
+    room = min(config.summary_max_tokens, limit - window.size,
                config.max_tokens - traj.tokens.get("completion", 0))
     if room <= 0:
         raise LimitsExceeded("context", "no room left to write a summary")

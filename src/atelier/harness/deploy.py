@@ -79,18 +79,23 @@ class LiveView:
             prose = event.text.split("<tool_call>")[0].strip()
             c.rule(f"turn {event.turn}", style="dim")
             if prose:
-                c.print(escape(prose[:600]), style="italic")
+                c.print(escape(_printable(prose[:600])), style="italic")
         elif event.kind == "tool_call":
             args = ", ".join(f"{k}={_short(v)}" for k, v in event.arguments.items())
             mark = "[green]▶[/]" if event.ok else "[red]✗[/]"
-            c.print(f"{mark} [bold]{escape(event.name or 'invalid call')}[/]({escape(args)})")
+            c.print(f"{mark} [bold]{escape(event.name or 'invalid call')}[/]({escape(_printable(args))})")
             lines = event.output.splitlines()
             shown = "\n".join(lines[:8]) + (f"\n… {len(lines) - 8} more lines" if len(lines) > 8 else "")
             if shown:
-                c.print(escape(shown), style="dim", highlight=False)
+                c.print(escape(_printable(shown)), style="dim", highlight=False)
         elif event.kind == "summary":
             c.rule("context summarised", style="yellow")
-            c.print(escape(event.text[:800]), style="yellow")
+            c.print(escape(_printable(event.text[:800])), style="yellow")
+
+
+def _printable(text: str) -> str:
+    """Control characters (a random model writes them) would garble the terminal."""
+    return "".join(ch if ch.isprintable() or ch in "\n\t" else "\ufffd" for ch in text)
 
 
 def _short(value: Any, limit: int = 60) -> str:
