@@ -14,26 +14,13 @@ import contextlib
 from pathlib import Path
 
 from atelier.errors import AtelierError
-
-
-class ModelNotFound(AtelierError):
-    """A model spec that names no model directory this machine has."""
+from atelier.inference.models import ModelNotFound
 
 
 def resolve_model_path(spec: str) -> Path:
-    """A model spec as a local Hugging Face directory.
+    """A model spec (a Hugging Face directory, or a known name pulled into the cache) as a directory."""
+    from atelier.inference.models import resolve_model
 
-    Uses the inference package's resolver (known names, the local cache)
-    when it exists; a directory holding config.json always works.
-    """
-    path = Path(spec).expanduser()
-    if (path / "config.json").is_file():
-        return path
-    try:
-        from atelier.inference.models import resolve_model
-    except ImportError:
-        raise ModelNotFound(f"no model directory at {spec}",
-                            hint="pass a Hugging Face model directory (holding config.json)") from None
     return Path(resolve_model(spec))
 
 
