@@ -74,10 +74,18 @@ def repo(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def sandbox(repo: Path, bwrap_ready: None):
-    from atelier.sandbox.bwrap import BwrapSandbox
+def backend() -> str:
+    """The sandbox backend of `sandbox`; test modules may parametrize it."""
+    return "bwrap"
 
-    sb = BwrapSandbox(repo, SandboxConfig(timeout_s=30))
+
+@pytest.fixture
+def sandbox(repo: Path, backend: str, request: pytest.FixtureRequest):
+    from atelier.sandbox import create_sandbox
+
+    if backend == "bwrap":
+        request.getfixturevalue("bwrap_ready")
+    sb = create_sandbox(repo, SandboxConfig(backend=backend, timeout_s=30))
     try:
         yield sb
     finally:

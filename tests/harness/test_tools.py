@@ -8,6 +8,12 @@ from atelier.harness.errors import FormatError, Submitted
 from atelier.harness.tools import ToolsConfig, call_tool, default_tools
 
 
+@pytest.fixture(params=["bwrap", "local"])
+def backend(request: pytest.FixtureRequest) -> str:
+    """Every tool runs the same over an isolating and a plain backend."""
+    return request.param
+
+
 def test_registry_has_the_issue_tools_with_object_schemas():
     tools = default_tools()
     assert set(tools) == {"read_file", "list_dir", "glob", "grep", "codebase_search", "edit_file", "write_file",

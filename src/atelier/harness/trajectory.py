@@ -83,7 +83,7 @@ class Trajectory:
     tokens: dict[str, int] = field(default_factory=dict)
     todos: list[dict[str, Any]] = field(default_factory=list)
     final_diff: str = ""
-    exit_reason: str = ""          # "submitted", "max_turns", "max_tokens", "wall_time", "format_error", "error"
+    exit_reason: str = ""          # "submitted", "max_turns", "max_tokens", "max_context", "wall_time", "error"
     error: str | None = None       # error type and message when the episode ended on an exception
     reward: float | None = None
     reward_parts: dict[str, float] = field(default_factory=dict)

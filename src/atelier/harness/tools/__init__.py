@@ -93,6 +93,13 @@ def rel(path: str) -> str:
         raise ToolError(str(exc)) from None
 
 
+def in_workspace(path: str) -> str:
+    """A workspace-relative path for a command's argv. Commands start in the
+    workspace root on every backend (which may not be mounted at /workspace),
+    and the ./ prefix keeps a name like "-rf" from reading as an option."""
+    return f"./{path}" if path else "."
+
+
 def cap(text: str, limit: int) -> str:
     """Keep the head and tail of an over-long observation, saying how much was cut."""
     if len(text) <= limit:

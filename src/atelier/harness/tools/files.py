@@ -6,8 +6,8 @@ import re
 from functools import lru_cache
 
 from atelier.harness.errors import ToolError
-from atelier.harness.tools import Tool, ToolContext, obj, rel
-from atelier.sandbox.base import WORKDIR, SandboxPathError
+from atelier.harness.tools import Tool, ToolContext, in_workspace, obj, rel
+from atelier.sandbox.base import SandboxPathError
 
 STR, INT = {"type": "string"}, {"type": "integer", "minimum": 1}
 
@@ -27,7 +27,7 @@ def read_text(ctx: ToolContext, path: str) -> str:
 
 
 def _is_dir(ctx: ToolContext, path: str) -> bool:
-    return ctx.sandbox.exec(["test", "-d", f"{WORKDIR}/{path}"], timeout=10).exit_code == 0
+    return ctx.sandbox.exec(["test", "-d", in_workspace(path)], timeout=10).exit_code == 0
 
 
 def read_file(ctx: ToolContext, path: str, start_line: int | None = None, end_line: int | None = None) -> str:
@@ -57,8 +57,7 @@ def read_file(ctx: ToolContext, path: str, start_line: int | None = None, end_li
 
 def list_dir(ctx: ToolContext, path: str = ".", depth: int = 1) -> str:
     path = rel(path)
-    where = f"{WORKDIR}/{path}" if path else WORKDIR
-    res = ctx.sandbox.exec(["find", where, "-mindepth", "1", "-maxdepth", str(min(depth, 6)),
+    res = ctx.sandbox.exec(["find", in_workspace(path), "-mindepth", "1", "-maxdepth", str(min(depth, 6)),
                             "-name", ".git", "-prune", "-o", "-printf", "%y %P\\n"], timeout=30)
     if res.exit_code != 0:
         raise ToolError(f"cannot list {path or '.'}: {res.stderr.strip() or 'not a directory'}")
@@ -72,7 +71,7 @@ def list_dir(ctx: ToolContext, path: str = ".", depth: int = 1) -> str:
 
 def workspace_files(ctx: ToolContext) -> list[str]:
     """Every regular file of the workspace outside .git, relative, sorted."""
-    res = ctx.sandbox.exec(["find", WORKDIR, "-name", ".git", "-prune", "-o", "-type", "f", "-printf", "%P\\n"],
+    res = ctx.sandbox.exec(["find", ".", "-name", ".git", "-prune", "-o", "-type", "f", "-printf", "%P\\n"],
                            timeout=30)
     return sorted(p for p in res.stdout.splitlines() if p)
 
@@ -132,7 +131,7 @@ def write_file(ctx: ToolContext, path: str, content: str) -> str:
 
 def delete_file(ctx: ToolContext, path: str) -> str:
     path = rel(path)
-    target = f"{WORKDIR}/{path}"
+    target = in_workspace(path)
     res = ctx.sandbox.exec(["sh", "-c", 'if [ -d "$1" ] && [ ! -L "$1" ]; then echo dir; exit 3; fi; '
                             'if [ ! -e "$1" ] && [ ! -L "$1" ]; then exit 4; fi; rm -f -- "$1"', "rm", target],
                            timeout=30)

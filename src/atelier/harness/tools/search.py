@@ -17,8 +17,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from atelier.harness.errors import ToolError
-from atelier.harness.tools import Tool, ToolContext, obj, rel
-from atelier.sandbox.base import WORKDIR
+from atelier.harness.tools import Tool, ToolContext, in_workspace, obj, rel
 
 CHUNK_LINES = 40
 MAX_FILE_BYTES = 256 * 1024
@@ -45,8 +44,8 @@ def grep(ctx: ToolContext, pattern: str, path: str = ".", include: str | None = 
     argv = ["grep", "-rnIE", "--exclude-dir=.git", "--color=never"]
     if include:
         argv.append(f"--include={include}")
-    argv += ["-e", pattern, "--", target or "."]
-    res = ctx.sandbox.exec(argv, timeout=ctx.config.command_timeout_s, cwd=WORKDIR)
+    argv += ["-e", pattern, "--", in_workspace(target)]
+    res = ctx.sandbox.exec(argv, timeout=ctx.config.command_timeout_s)
     if res.exit_code == 1:
         return f"no matches for {pattern!r} in {target or '.'}" + (f" (files {include})" if include else "")
     if res.exit_code != 0:
@@ -81,7 +80,7 @@ def _chunks(path: str, text: str) -> list[Chunk]:
 
 def _index(ctx: ToolContext) -> list[Chunk]:
     """Chunks of every text file, re-reading only files whose size or mtime changed."""
-    res = ctx.sandbox.exec(["find", WORKDIR, "-name", ".git", "-prune", "-o", "-type", "f",
+    res = ctx.sandbox.exec(["find", ".", "-name", ".git", "-prune", "-o", "-type", "f",
                             "-size", f"-{MAX_FILE_BYTES // 1024}k", "-printf", "%P\\t%s\\t%T@\\n"], timeout=30)
     cache: dict[str, tuple[str, list[Chunk]]] = ctx.cache.setdefault("search_index", {})
     seen, chunks = set(), []
