@@ -223,3 +223,12 @@ def test_smollm2_runs_a_few_turns_in_the_harness(sandbox):
     assert traj.num_tool_calls >= traj.turns >= 1
     (seg,) = traj.segments
     assert seg.sampled_tokens == traj.tokens["completion"]
+
+
+def test_wall_time_and_context_limits_end_with_their_reasons(sandbox, tokenizer):
+    script = [fc("list_dir", {})] * 3
+    timed = run_episode(ScriptedModel(tokenizer, script), sandbox, "go", config=AgentConfig(wall_time_s=1e-9))
+    assert timed.exit_reason == "wall_time" and timed.turns == 0 and timed.limits["wall_time_s"] == 1e-9
+    small = run_episode(ScriptedModel(tokenizer, script), sandbox, "go", config=AgentConfig(max_context_tokens=500))
+    assert small.exit_reason == "max_context" and small.turns == 0 and small.error is None
+    assert small.limits["max_context_tokens"] == 500

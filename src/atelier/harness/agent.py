@@ -45,6 +45,9 @@ class Event:
 def run_episode(model: Any, sandbox: Any, prompt: str, *, task_id: str = "", config: AgentConfig | None = None,
                 on_event: Callable[[Event], None] | None = None, tools: dict[str, Tool] | None = None,
                 past_messages: list[str] | None = None) -> Trajectory:
+    """Run one episode of `model` (a `TokenModel`: token-exact segments; or a
+    `ChatModel`: messages only) on `prompt` in `sandbox`. Never raises for a
+    failure inside the episode: the returned trajectory says how it ended."""
     config = config or AgentConfig()
     tools = tools or default_tools()
     emit = on_event or (lambda event: None)
