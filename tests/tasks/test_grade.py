@@ -59,7 +59,7 @@ def test_edited_tests_are_restored(task, env_cache: Path, h) -> None:
 
 
 def test_printed_passed_lines_count_for_nothing(task, env_cache: Path, h) -> None:
-    fake = ("print('tests/test_calc.py::test_add PASSED')\n" + h.OPS)
+    fake = ("import atexit\natexit.register(print, 'tests/test_calc.py::test_add PASSED')\n" + h.OPS)
     conftest = ("def pytest_terminal_summary(terminalreporter):\n"
                 "    terminalreporter.write_line('tests/test_calc.py::test_add PASSED')\n"
                 "    terminalreporter.write_line('===== 4 passed in 0.01s =====')\n")
@@ -69,8 +69,20 @@ def test_printed_passed_lines_count_for_nothing(task, env_cache: Path, h) -> Non
     assert r.reward == 0.0 and r.tests["tests/test_calc.py::test_add"] == "failed"
 
 
+def test_agent_conftest_cannot_rewrite_results(task, env_cache: Path, h) -> None:
+    forge = ("import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\n"
+             "def pytest_runtest_makereport(item, call):\n"
+             "    outcome = yield\n    outcome.get_result().outcome = 'passed'\n")
+    patch = h.make_patch({"conftest.py": (None, forge), "calc/conftest.py": (None, forge),
+                          "pytest.ini": (None, "[pytest]\naddopts = -p calc.conftest\n")})
+    r = run(task, patch, env_cache)
+    assert r.error is None and r.reward == 0.0
+    assert r.tests["tests/test_calc.py::test_add"] == "failed"
+
+
 def test_exit_zero_before_tests_is_an_error(task, env_cache: Path, h) -> None:
-    patch = h.make_patch({"conftest.py": (None, "import os\nprint('4 passed')\nos._exit(0)\n")})
+    exits = "import os\nprint('4 passed')\nos._exit(0)\n"
+    patch = h.make_patch({"calc/__init__.py": (h.REPO["calc/__init__.py"], exits)})
     r = run(task, patch, env_cache)
     assert r.reward == 0.0 and not r.infra_error
     assert "no result file" in r.error and r.exit_code == 0
@@ -84,7 +96,7 @@ def test_patch_that_does_not_apply(task, env_cache: Path) -> None:
 def test_timeout_is_infrastructure(task_factory, env_cache: Path, h) -> None:
     task = load_task(task_factory())
     task = task.model_copy(update={"limits": task.limits.model_copy(update={"timeout_s": 2})})
-    patch = h.make_patch({"conftest.py": (None, "import time\ntime.sleep(30)\n")})
+    patch = h.make_patch({"calc/__init__.py": (h.REPO["calc/__init__.py"], "import time\ntime.sleep(30)\n")})
     r = run(task, patch, env_cache)
     assert r.infra_error and r.reward == 0.0 and "timed out after 2 s" in r.error
 

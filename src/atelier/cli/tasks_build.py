@@ -5,11 +5,85 @@ Heavy modules are imported inside the commands so `atelier --help` stays fast.
 
 from __future__ import annotations
 
+import enum
+
 import typer
 
 from atelier.cli.options import Backend
 
-build_app = typer.Typer(help="Build tasks from real code.", no_args_is_help=True)
+build_app = typer.Typer(help="Build tasks from real code: a whole suite (--suite), or one "
+                             "builder (release-diff, mutate).", invoke_without_command=True)
+
+
+class Only(str, enum.Enum):
+    release = "release"
+    mutation = "mutation"
+
+
+@build_app.callback()
+def build_suite_cmd(
+    ctx: typer.Context,
+    suite: str = typer.Option(None, "--suite", help="A committed suite name (e.g. atelier-bench) or a spec .toml."),
+    out: str = typer.Option(None, "--out", help="Suite directory to build into (resumable)."),
+    only: Only = typer.Option(None, "--only", help="Build only the release-diff or the mutation entries."),
+    limit: int = typer.Option(None, "--limit", min=1, help="First N release entries, at most N mutation tasks."),
+    jobs: int = typer.Option(1, "--jobs", min=1, help="Entries built at once."),
+    backend: Backend = typer.Option(Backend.bwrap, "--backend", help="bwrap (isolated) or local (isolates nothing)."),
+    retry_dropped: bool = typer.Option(False, "--retry-dropped", help="Try again entries an earlier run dropped."),
+    as_json: bool = typer.Option(False, "--json", help="Print the build report as JSON (no progress bar)."),
+) -> None:
+    """Build a whole suite from its spec: sdists from PyPI (cached), every task
+    validated (gold passes each run, empty patch fails) before it lands in OUT.
+    Run it again to resume; OUT/build-report.json says what was dropped and why.
+    Example: atelier tasks build --suite atelier-bench --out suites/bench --jobs 2"""
+    if ctx.invoked_subcommand is not None:
+        if suite is not None:
+            from atelier.tasks.schema import TaskError
+
+            raise TaskError("--suite builds a whole suite; it does not go with a subcommand",
+                            hint=f"drop --suite, or drop `{ctx.invoked_subcommand}`")
+        return
+    if suite is None or out is None:
+        if suite is None and out is None:
+            typer.echo(ctx.get_help())
+            raise typer.Exit(0)
+        from atelier.tasks.schema import TaskError
+
+        raise TaskError("--suite and --out go together",
+                        hint="e.g. atelier tasks build --suite atelier-bench --out suites/bench")
+    import json
+
+    from atelier.tasks.suite import resolve_spec
+    from atelier.tasks.suite_build import build_suite, planned_units, summarize_drops
+
+    spec = resolve_spec(suite)
+    kind = only.value if only is not None else None
+    total = planned_units(spec, kind, limit)
+    kw = dict(only=kind, limit=limit, jobs=jobs, backend=backend.value, retry_dropped=retry_dropped)
+    if as_json:
+        build = build_suite(spec, out, **kw)
+        print(json.dumps(build.to_json()))
+    else:
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                   TimeElapsedColumn)
+
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), transient=False) as bar:
+            job = bar.add_task(f"{spec.spec.name}", total=total)
+
+            def progress(n: int, msg: str) -> None:
+                bar.update(job, advance=n, description=msg[:70])
+
+            build = build_suite(spec, out, progress=progress, **kw)
+        data = build.to_json()
+        typer.echo(f"{spec.spec.name}: {data['built']} task(s) built, {data['kept']} already there, "
+                   f"{data['dropped']} dropped, {data['errors']} entr{'y' if data['errors'] == 1 else 'ies'} "
+                   f"with errors; splits {data['splits']}")
+        for line in summarize_drops(build.entries):
+            typer.echo("  " + line)
+        typer.echo(f"report: {out}/build-report.json; index: {out}/index.toml")
+    if not any(e.tasks for e in build.entries):
+        raise typer.Exit(1)
 
 
 @build_app.command("release-diff")

@@ -19,10 +19,18 @@ test passed and there was no error.
 A timeout of the test run is an infrastructure error (`infra_error=True`):
 the trainer excludes and retries it rather than scoring 0 (see PITFALLS).
 
-Not covered: a patch may change how pytest itself behaves (a `conftest.py`
-hook that rewrites reports, a plugin in `pytest.ini`) and so forge results
-inside the XML; reading the argv for the result path is possible too. Such
-patches are caught only when they lose tests or contradict the exit code.
+Files that steer pytest itself are put back too (`restore_pytest_control`):
+every `conftest.py`, `pytest.ini`, `.pytest.ini` and `tox.ini` in the
+workspace is reset to the task's version (hidden test, else snapshot), and
+one the task does not have (an agent's new `conftest.py` that rewrites
+reports) is removed before the run; the cache provider is off
+(`-p no:cacheprovider`), so no state carries over from the agent's runs.
+
+Not covered: plugins named in `pyproject.toml` or `setup.cfg` (they hold
+package metadata a real fix may change, so they are not reset), a module on
+the test path that patches pytest when imported, and reading the argv for the
+result path. Such patches are caught only when they lose tests or contradict
+the exit code.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import shlex
+from pathlib import Path
 from typing import Iterable
 
 from atelier.sandbox import Sandbox, SandboxError, create_sandbox
@@ -182,10 +191,55 @@ def grade_in(sb: Sandbox, task: Task, patch: str, python: str | None) -> GradeRe
 
 
 def _restore_tests(sb: Sandbox, task: Task) -> None:
-    """Put every hidden and target test file back to the task's version."""
+    """Put every hidden and target test file back to the task's version,
+    then the files that steer pytest (`restore_pytest_control`)."""
     for rel in task.test_files():
         source = task.hidden_test_source(rel)
         if rel not in task.hidden_tests:
             source = task.snapshot / rel
         sb.exec(["rm", "-rf", "--", rel], timeout=60)
         sb.write_bytes(rel, source.read_bytes())
+    restore_pytest_control(sb, task)
+
+
+PYTEST_CONTROL = ("conftest.py", "pytest.ini", ".pytest.ini", "tox.ini")
+"""File names that change what pytest does, wherever they lie."""
+
+
+def pytest_control_files(task: Task) -> dict[str, Path]:
+    """The task's own control files: repository path → host file (a hidden
+    test wins over the snapshot's file of the same path)."""
+    import os
+
+    found: dict[str, Path] = {}
+    for dirpath, dirnames, filenames in os.walk(task.snapshot):
+        dirnames[:] = [d for d in dirnames if d != ".git"]
+        for name in filenames:
+            if name in PYTEST_CONTROL:
+                path = Path(dirpath, name)
+                found[path.relative_to(task.snapshot).as_posix()] = path
+    for rel in task.hidden_tests:
+        if Path(rel).name in PYTEST_CONTROL:
+            found[rel] = task.hidden_test_source(rel)
+    return found
+
+
+def restore_pytest_control(sb: Sandbox, task: Task) -> list[str]:
+    """Reset the workspace's pytest control files to the task's and remove
+    those it does not have; returns the removed paths."""
+    own = pytest_control_files(task)
+    names: list[str] = []
+    for name in PYTEST_CONTROL:
+        names += ["-o", "-name", name] if names else ["-name", name]
+    listed = sb.exec(["find", ".", "-path", "./.git", "-prune", "-o", "(", *names, ")", "-print0"],
+                     timeout=60)
+    if listed.exit_code != 0:
+        raise SandboxError(f"cannot list pytest control files: {listed.stderr.strip()[-300:]}")
+    present = {p.removeprefix("./") for p in listed.stdout.split("\0") if p}
+    removed = sorted(present - set(own))
+    if removed:
+        sb.exec(["rm", "-rf", "--", *removed], timeout=60)
+    for rel, source in own.items():
+        sb.exec(["rm", "-rf", "--", rel], timeout=60)
+        sb.write_bytes(rel, source.read_bytes())
+    return removed

@@ -22,8 +22,12 @@ INDEX_FILE = "index.toml"
 
 
 class SuiteIndex(AtelierConfig):
+    name: str = ""
     tasks: list[str] = Field(default_factory=list)
     """Task directories, relative to the suite directory."""
+    splits: dict[str, str] = Field(default_factory=dict)
+    """Task directory → split ("test", "train" …); a task not named here has
+    no split and is left out when `load_suite` is asked for one."""
 
 
 def load_task(task_dir: str | Path) -> Task:
@@ -82,8 +86,9 @@ def load_task(task_dir: str | Path) -> Task:
     return Task(**spec.model_dump(), root=root, snapshot=repo, gold_patch=gold_text)
 
 
-def load_suite(suite_dir: str | Path) -> list[Task]:
-    """Load every task of a suite; all broken tasks are reported together."""
+def load_suite(suite_dir: str | Path, split: str | None = None) -> list[Task]:
+    """Load every task of a suite (only those of `split` when given: needs an
+    index with splits); all broken tasks are reported together."""
     root = Path(suite_dir).resolve()
     if not root.is_dir():
         raise TaskError(f"suite directory not found: {suite_dir}",
@@ -93,7 +98,17 @@ def load_suite(suite_dir: str | Path) -> list[Task]:
             index = load_config(SuiteIndex, root / INDEX_FILE)
         except ConfigError as exc:
             raise TaskError(f"suite {root.name}: {exc.message}", hint=exc.hint) from None
-        dirs = [root / rel for rel in index.tasks]
+        rels = index.tasks
+        if split is not None:
+            rels = [rel for rel in rels if index.splits.get(rel) == split]
+            if not rels:
+                known = sorted(set(index.splits.values()))
+                raise TaskError(f"suite {root.name}: no task in split {split!r}",
+                                hint="splits in its index: " + (", ".join(known) or "none"))
+        dirs = [root / rel for rel in rels]
+    elif split is not None:
+        raise TaskError(f"suite {root.name}: no {INDEX_FILE}, so no split {split!r}",
+                        hint="build the suite with `atelier tasks build --suite`, which writes splits")
     else:
         dirs = sorted(p.parent for p in root.glob(f"*/{TASK_FILE}"))
     if not dirs:

@@ -243,9 +243,47 @@ def _write_task(out: Path, work: Path, repo_name: str, files: dict[str, str], mu
     return task_id
 
 
+class _Memo:
+    """Test outcomes by key, appended to a JSON-lines file as they come (a
+    torn last line from a crash is ignored); no file: remembers nothing."""
+
+    def __init__(self, path: Path | None):
+        self.path, self.data = path, {}
+        if path is not None and path.is_file():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    item = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                self.data[item["key"]] = item["value"]
+
+    def get(self, key: str):
+        return self.data.get(key)
+
+    def put(self, key: str, value) -> None:
+        if self.path is None:
+            return
+        self.data[key] = value
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"key": key, "value": value}) + "\n")
+
+    def attempt(self, muts: Sequence[Mutation], run: Callable[[], Outcome | str]) -> Outcome | str:
+        key = "|".join(sorted(f"{m.path}:{m.start}:{m.end}:{m.mutated}" for m in muts))
+        known = self.get(key)
+        if known is not None:
+            return known if isinstance(known, str) else (known[0], known[1])
+        outcome = run()
+        if outcome not in ("timeout",) and not (isinstance(outcome, str) and outcome.startswith("test run failed")):
+            self.put(key, outcome if isinstance(outcome, str) else [outcome[0], outcome[1]])
+        return outcome
+
+
 def build_mutation_tasks(
     repo: Path, out: Path, n: int, seed: int = 0, run_tests: Runner | None = None, *,
     max_k: int = 3, clean_runs: int = 2, max_attempts: int | None = None,
+    memo: Path | None = None, accept: Callable[[str], str | None] | None = None,
+    on_progress: Callable[[BuildReport], None] | None = None,
 ) -> BuildReport:
     """Write up to `n` mutation tasks of `repo` under `out` (one directory each:
     `task.toml`, `repo/`, `tests/`, `gold.patch`) and `out/build_report.json`.
@@ -256,6 +294,15 @@ def build_mutation_tasks(
     tests that passed every time count. Each task draws its size k from 1..max_k;
     every member of a combination broke a test alone first. At most
     `max_attempts` (default 20 n) single candidates are tested.
+
+    Resuming (`memo`): a JSON-lines file of every test outcome (the clean
+    runs, each candidate's F2P/P2P split or drop reason). A second build with
+    the same repository, seed and memo replays them instead of running tests,
+    so it reaches the same candidates in the same order, and a crash costs
+    only the runs not yet recorded. `accept(task_dir) -> None | reason` is
+    called on each written task (e.g. to validate it); a reason drops the task
+    (its directory is removed) and it does not count towards `n`.
+    `on_progress(report)` is called after every tested candidate.
     """
     repo, out = Path(repo).resolve(), Path(out)
     run = run_tests or run_pytest_local
@@ -265,8 +312,12 @@ def build_mutation_tasks(
     with tempfile.TemporaryDirectory(prefix="atelier-mutate-") as tmp:
         work = Path(tmp) / repo.name
         shutil.copytree(repo, work, ignore=_IGNORE, symlinks=True)
-        runs = [run(work) for _ in range(max(1, clean_runs))]
-        report.test_runs += len(runs)
+        recorded = _Memo(memo)
+        runs = recorded.get("clean")
+        if runs is None or len(runs) != max(1, clean_runs):
+            runs = [run(work) for _ in range(max(1, clean_runs))]
+            report.test_runs += len(runs)
+            recorded.put("clean", runs)
         clean = {t for t, s in runs[0].items() if s == "passed" and all(r.get(t) == "passed" for r in runs)}
         report.clean_passing = len(clean)
         if not clean:
@@ -290,11 +341,17 @@ def build_mutation_tasks(
                 if len(group) == 1:
                     outcome: Outcome | str = outcomes[group[0]]
                 else:
-                    outcome = _try(work, files, group, run, clean, report)
+                    outcome = recorded.attempt(group, lambda: _try(work, files, group, run, clean, report))
                 if isinstance(outcome, str):
                     report.dropped.append(Dropped([m.label for m in group], outcome))
                 else:
-                    report.tasks.append(_write_task(out, work, repo.name, files, group, outcome, seed))
+                    task_id = _write_task(out, work, repo.name, files, group, outcome, seed)
+                    refused = accept(str(out / task_id)) if accept is not None else None
+                    if refused is None:
+                        report.tasks.append(task_id)
+                    else:
+                        shutil.rmtree(out / task_id, ignore_errors=True)
+                        report.dropped.append(Dropped([m.label for m in group], refused))
                 want = rng.randint(1, max_k)
                 continue
             candidate = next(pending, None) if attempts < budget else None
@@ -306,10 +363,13 @@ def build_mutation_tasks(
                 exhausted = True  # first try the drawn size without the one-file-each rule
                 continue
             attempts += 1
-            result = _try(work, files, (candidate,), run, clean, report)
+            result = recorded.attempt((candidate,),
+                                      lambda: _try(work, files, (candidate,), run, clean, report))
             if isinstance(result, str):
                 report.dropped.append(Dropped([candidate.label], result))
             else:
                 pool.append((candidate, result))
+            if on_progress is not None:
+                on_progress(report)
     (out / "build_report.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
     return report

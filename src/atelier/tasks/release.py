@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import email.parser
+import fnmatch
 import json
 import os
 import re
@@ -205,12 +206,15 @@ def _canon(name: str) -> str:
 
 # --- sources ------------------------------------------------------------------
 def download_sdist(package: str, version: str, dest: Path) -> Path:
-    """The unpacked source distribution of `package==version` from PyPI."""
+    """The unpacked source distribution of `package==version` from PyPI.
+    Only the package itself is refused as a wheel (`--no-binary NAME`): its
+    build backend, which pip needs to read the sdist's metadata, may come as
+    a wheel, which is far cheaper than building setuptools from source."""
     dl = dest / "download"
     dl.mkdir(parents=True, exist_ok=True)
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+            [sys.executable, "-m", "pip", "download", "--no-binary", package, "--no-deps",
              "--disable-pip-version-check", "--quiet", f"{package}=={version}", "-d", str(dl)],
             capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired:
@@ -344,11 +348,14 @@ def build_release_task(old_dir: str | Path, new_dir: str | Path, out: str | Path
                        new_version: str | None = None, requirements: list[str] | None = None,
                        runner: Runner | None = None, runs: int = RUNS, timeout_s: float = 600.0,
                        progress: Callable[[str], None] = lambda msg: None,
-                       overwrite: bool = False) -> ReleaseReport:
+                       overwrite: bool = False, select: list[str] | None = None) -> ReleaseReport:
     """Build one task from two release directories into `out/<id>`.
 
     `requirements` None means: the new release's runtime requirements,
     pinned (needs the network when there are any); pass [] for none.
+    `select` (globs of repository paths) keeps only those test modules for
+    the probe runs, FAIL_TO_PASS and PASS_TO_PASS (a slow or flaky module
+    left out); every new test file is still hidden and restored at grading.
     """
     from atelier.tasks.writer import write_task
 
@@ -387,9 +394,11 @@ def build_release_task(old_dir: str | Path, new_dir: str | Path, out: str | Path
     if not gold.strip():
         return drop(f"no non-test file changed between {old_version} and {new_version}")
     hidden = {p: (new / p).read_bytes() for p in new_files if is_test_path(p)}
-    modules = sorted(p for p in hidden if is_test_module(p))
+    modules = sorted(p for p in hidden if is_test_module(p)
+                     and (not select or any(fnmatch.fnmatchcase(p, g) for g in select)))
     if not modules:
-        return drop(f"the {new_version} release ships no test modules")
+        return drop(f"the {new_version} release ships no test modules"
+                    + (f" matching {', '.join(select)}" if select else ""))
     changed = sorted({line.split(" b/", 1)[-1] for line in gold.splitlines()
                       if line.startswith("diff --git ")})
     report.files_changed = len(changed)
