@@ -28,12 +28,16 @@ def config(env_cache: str, **kw) -> EvalConfig:
     return EvalConfig(env_cache=env_cache, **kw)
 
 
-def test_gold_replay_scores_one_and_empty_scores_zero(suite: Path, tmp_path: Path, env_cache: str) -> None:
+def test_gold_replay_scores_one_empty_scores_zero_and_runs_resume(suite: Path, tmp_path: Path,
+                                                                  env_cache: str) -> None:
     tasks = load_tasks(suite)
-    gold = run_eval(open_eval_model("scripted:gold"), tasks, tmp_path / "gold",
-                    config=config(env_cache, passes=2, concurrency=2))
+    policy = open_eval_model("scripted:gold")
+    first = run_eval(policy, tasks, tmp_path / "gold", config=config(env_cache, passes=1, concurrency=2))
+    assert (first.ran, first.skipped) == (2, 0)
+    # A second pass: the finished first pass is skipped, only pass 1 runs.
+    gold = run_eval(policy, tasks, tmp_path / "gold", config=config(env_cache, passes=2, concurrency=2))
     m = gold.metrics
-    assert (gold.ran, gold.skipped, m.tasks, m.valid_attempts, m.infra_errors) == (4, 0, 2, 4, 0)
+    assert (gold.ran, gold.skipped, m.tasks, m.valid_attempts, m.infra_errors) == (2, 2, 2, 4, 0)
     assert m.accuracy == 1.0 and m.pass_at_k == {1: 1.0, 2: 1.0} and m.best_of_k == 1.0
     assert m.mean_tool_calls >= 3 and m.broken_calls == 0 and m.median_cost == 0.0
     assert m.exit_reasons == {"submitted": 4}
@@ -46,6 +50,11 @@ def test_gold_replay_scores_one_and_empty_scores_zero(suite: Path, tmp_path: Pat
     assert summary["accuracy"] == 1.0 and summary["pass_at_k"] == {"1": 1.0, "2": 1.0}
     page = build_report([tmp_path / "gold"], tmp_path / "report.html").read_text()
     assert "scripted:gold" in page and "calc-mul" in page and page.count('class="traj"') == 4
+    done = run_eval(policy, tasks, tmp_path / "gold", config=config(env_cache, passes=2))
+    assert (done.ran, done.skipped) == (0, 4)
+    assert len((tmp_path / "gold" / "results.jsonl").read_text().splitlines()) == 4
+    with pytest.raises(EvalError, match="scripted:gold"):  # a run directory holds one model
+        run_eval(open_eval_model("scripted:empty"), tasks, tmp_path / "gold", config=config(env_cache))
 
     empty = run_eval(open_eval_model("scripted:empty"), tasks[:1], tmp_path / "empty",
                      config=config(env_cache, passes=1))
@@ -93,21 +102,6 @@ def test_infra_errors_are_counted_apart_retried_and_resumed(suite: Path, tmp_pat
     assert (again.ran, again.skipped) == (1, 0)
     assert again.metrics.infra_errors == 0 and again.metrics.accuracy == 0.0
     assert again.metrics.infra_error_attempts == 2
-
-
-def test_resume_skips_finished_pairs_and_refuses_another_model(suite: Path, tmp_path: Path,
-                                                               env_cache: str) -> None:
-    tasks = load_tasks(suite / "calc-add")
-    out = tmp_path / "run"
-    policy = open_eval_model("scripted:empty")
-    assert run_eval(policy, tasks, out, config=config(env_cache, passes=1)).ran == 1
-    more = run_eval(policy, tasks, out, config=config(env_cache, passes=2))
-    assert (more.ran, more.skipped, more.metrics.valid_attempts) == (1, 1, 2)
-    done = run_eval(policy, tasks, out, config=config(env_cache, passes=2))
-    assert (done.ran, done.skipped) == (0, 2)
-    assert len((out / "results.jsonl").read_text().splitlines()) == 2
-    with pytest.raises(EvalError, match="scripted:empty"):
-        run_eval(open_eval_model("scripted:gold"), tasks, out, config=config(env_cache))
 
 
 def test_a_killed_cli_run_resumes(suite: Path, tmp_path: Path, env_cache: str,

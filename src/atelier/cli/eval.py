@@ -56,6 +56,10 @@ def eval_cmd(
     policy = open_eval_model(model, api_key=api_key, served_model=served_model)
     config = EvalConfig(passes=passes, concurrency=concurrency, backend=backend.value)
 
+    if not as_json:
+        typer.echo(f"evaluating {policy.name if hasattr(policy, 'name') else model} on {len(task_list)} "
+                   f"task(s) x {passes} pass(es), {concurrency} at a time -> {out}", err=True)
+
     def progress(done: int, total: int, rec) -> None:
         if as_json:
             return

@@ -105,6 +105,7 @@ def run_eval(model: Any, tasks: Sequence[Task] | str | Path, out_dir: str | Path
 
     done = {r.key for r in read_records(run_dir) if not r.infra_error}
     todo = [(task, i) for i in range(config.passes) for task in task_list if (task.id, i) not in done]
+    _build_envs(list({task.id: task for task, _ in todo}.values()), config)
     skipped = config.passes * len(task_list) - len(todo)
     writer = ResultsWriter(run_dir)
 
@@ -127,6 +128,17 @@ def run_eval(model: Any, tasks: Sequence[Task] | str | Path, out_dir: str | Path
         pool.shutdown(wait=True, cancel_futures=True)
         metrics = summarize(run_dir, passes=config.passes, threshold=config.threshold)
     return EvalSummary(run_dir=run_dir, metrics=metrics, ran=len(todo), skipped=skipped)
+
+
+def _build_envs(tasks: list[Task], config: EvalConfig) -> None:
+    """Build every dependency venv before the clock starts: a first build
+    takes minutes and would count as one attempt's latency. A venv that
+    cannot be built is the user's problem to fix (a `TaskError`), not an
+    infrastructure error of each attempt."""
+    from atelier.tasks.envs import ensure_env
+
+    for task in tasks:
+        ensure_env(task, config.env_cache)
 
 
 def summarize(run_dir: str | Path, *, passes: int | None = None, threshold: float = 1.0) -> EvalMetrics:
@@ -177,7 +189,7 @@ def run_attempt(model: Any, task: Task, index: int, run_dir: Path, config: EvalC
     traj: Trajectory | None = None
     start = time.monotonic()
     try:
-        venv = ensure_env(task, config.env_cache)
+        venv = ensure_env(task, config.env_cache)  # built already by run_eval: a lookup
         sb_config = task.limits.sandbox_config(
             backend=config.backend, ro_mounts=env_mounts(venv) if venv else [],
             env=_venv_env(venv))
