@@ -54,6 +54,7 @@ def plot_evals(results: dict[str, Any], out_png: str | Path) -> Path:
     left.set_title("codebase perplexity")
     items = results.get("state_tracking", {}).get("items", [])
     right.bar(range(len(items)), [i["score"] for i in items])
+    right.set_xticks(range(len(items)), [i["file"] for i in items], rotation=30, ha="right")
     right.set_ylim(0, 1)
     right.set_xlabel("file history")
     right.set_ylabel("edit-distance similarity")

@@ -251,4 +251,6 @@ def _base_evals(config: PretrainConfig, final: Path, corpus, run_dir: Path) -> d
     from atelier.pretrain.evals import run_base_evals
 
     repos = corpus.heldout_repos if corpus is not None else []
+    if not repos:  # e.g. only JSONL sources: nothing laid out as a repository to read whole
+        return {"skipped": "no held-out code repositories; run `atelier evals base --repo DIR`"}
     return run_base_evals(str(final), repos, config.evals, out_dir=run_dir)
