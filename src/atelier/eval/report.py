@@ -120,7 +120,9 @@ def summary_table(runs: Sequence[RunData]) -> str:
                  f"{tin / n:.0f} / {tout / n:.0f}",
                  f"{m.infra_errors}" + (" (" + ", ".join(f"{k} {v}" for k, v in
                                                           m.infra_error_types.items()) + ")"
-                                        if m.infra_error_types else "")]
+                                        if m.infra_error_types else "")
+                + (f"; {m.infra_error_attempts} attempt(s) hit one"
+                   if m.infra_error_attempts > m.infra_errors else "")]
         rows.append("<tr>" + "".join(f"<td>{escape(str(c))}</td>" for c in cells) + "</tr>")
     if not rows:
         return '<p class="muted">No evaluation results.</p>'

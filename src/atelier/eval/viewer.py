@@ -71,9 +71,11 @@ def trajectory_html(traj: Trajectory, dom_id: str, title: str) -> str:
         role = str(message.get("role", "?"))
         if role == "assistant":
             turn += 1
+        body = f"<pre>{escape(clip(_content(message)))}</pre>"
+        if role == "system":  # the same long tool specification in every trajectory: folded
+            body = f"<details><summary>system prompt</summary>{body}</details>"
         parts.append(f'<div class="msg {escape(role)}"><div class="role">{escape(role)}'
-                     + (f' · turn {turn}' if role == "assistant" else "")
-                     + f'</div><pre>{escape(clip(_content(message)))}</pre></div>')
+                     + (f' · turn {turn}' if role == "assistant" else "") + f"</div>{body}</div>")
         if role == "assistant":
             parts.extend(_call_html(c) for c in calls_by_turn.pop(turn, []))
     for leftover in sorted(calls_by_turn):
