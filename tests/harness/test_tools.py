@@ -138,6 +138,9 @@ def test_run_terminal_exit_code_output_timeout_and_cap(call, ctx, sandbox):
     assert out == "exit code: 3\nout\n[stderr]\nerr"
     slow = call("run_terminal", command="sleep 5", timeout=1).output
     assert slow.startswith("timed out after 1 s")
+    ctx.config = ToolsConfig(command_timeout_s=1)
+    capped = call_tool(default_tools(), ctx, "run_terminal", {"command": "sleep 5", "timeout": 300}).output
+    assert "300 s was asked for, the limit is 1 s" in capped
     ctx.config = ToolsConfig(output_cap_chars=500)
     big = call_tool(default_tools(), ctx, "run_terminal", {"command": "seq 1 5000"}).output
     assert len(big) < 700 and "characters cut" in big and big.rstrip().endswith("5000")

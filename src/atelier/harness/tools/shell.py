@@ -20,7 +20,8 @@ def run_terminal(ctx: ToolContext, command: str, timeout: int | float | None = N
     err = cap(res.stderr, budget // 3 if res.stdout else budget)
     parts = [f"exit code: {res.exit_code}"]
     if res.timed_out:
-        parts[0] = f"timed out after {limit:g} s (the command was killed; exit code {res.exit_code})"
+        capped = f"; {timeout:g} s was asked for, the limit is {limit:g} s" if timeout and timeout > limit else ""
+        parts[0] = f"timed out after {limit:g} s (the command was killed; exit code {res.exit_code}{capped})"
     if out:
         parts.append(out.rstrip("\n"))
     if err:
