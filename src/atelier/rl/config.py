@@ -80,8 +80,11 @@ class TasksEnvConfig(AtelierConfig):
     suite: str
     """A suite directory (atelier.tasks.load_suite) or a single task directory."""
     backend: Literal["bwrap", "local"] = "bwrap"
+    env_cache: str = ""
+    """Where task venvs are built and shared (empty: atelier's cache)."""
     agent: dict[str, Any] = Field(default_factory=dict)
-    """Fields of atelier.harness.agent.AgentConfig."""
+    """Fields of atelier.harness.config.AgentConfig; the sampling temperature, turn
+    max_tokens and seed come from [rollout] (the trainer must know them)."""
 
 
 class EnvConfig(AtelierConfig):
