@@ -61,6 +61,8 @@ def runs(tmp_path: Path) -> list[Path]:
                                  "gen_tokens_per_s": 100 + step, "ledger": {"trained": step},
                                  "mode": "async"}) + "\n")
         fh.write('{"step": 5, "reward_mean": 1.0, "kl": 0.0\n')  # a line cut short by a kill
+    # the RL ledger sorts first and has steps too, but is not the training curve
+    (tmp_path / "train" / "ledger.jsonl").write_text('{"step": 0, "slot": "a", "state": "queued"}\n')
     assert before.parent == after.parent
     return [tmp_path / "train"]
 
@@ -77,7 +79,7 @@ def test_pareto_front_and_training_keys() -> None:
 def test_discover_a_training_run_with_eval_subdirs(runs: list[Path]) -> None:
     found = discover_runs(runs[0])
     assert [r.label for r in found] == ["train (training)", "train/eval-after", "train/eval-before"]
-    assert len(found[0].training) == 5
+    assert len(found[0].training) == 5 and found[0].training_file == "metrics.jsonl"
     after = found[1].metrics
     assert after.accuracy == pytest.approx(0.75) and after.pass_at_k[2] == pytest.approx(1.0)
 

@@ -8,7 +8,8 @@ opened offline.
 
 What a RUN_DIR may be:
 - an evaluation run (`results.jsonl`, see `atelier.eval.records`);
-- a training run: any `*.jsonl` beside it whose rows carry a `step` (keys
+- a training run: `metrics.jsonl` (as `atelier.rl` writes it), else any
+  other `*.jsonl` beside it whose rows carry a `step` (keys
   are matched loosely: reward, pass rate, KL, staleness, tokens/s, loss;
   missing keys are simply not plotted);
 - a directory whose subdirectories are evaluation runs (e.g. a training run
@@ -30,6 +31,9 @@ from atelier.eval.records import (META_FILE, RESULTS_FILE, EvalError, EvalRecord
                                   read_records)
 
 MAX_TRAJECTORIES = 300
+TRAINING_LOGS = ("metrics.jsonl", "train_metrics.jsonl")
+"""Looked at first (`atelier.rl` writes `metrics.jsonl`); any other `*.jsonl` with steps after them."""
+NOT_TRAINING_LOGS = (RESULTS_FILE, "ledger.jsonl")
 
 
 @dataclass
@@ -75,8 +79,9 @@ def discover_runs(path: str | Path) -> list[RunData]:
     runs: list[RunData] = []
     if (root / RESULTS_FILE).is_file() or (root / META_FILE).is_file():
         runs.append(_eval_run(root, root.name))
-    for log in sorted(root.glob("*.jsonl")):
-        if log.name == RESULTS_FILE:
+    logs = sorted(root.glob("*.jsonl"), key=lambda p: (p.name not in TRAINING_LOGS, p.name))
+    for log in logs:
+        if log.name in NOT_TRAINING_LOGS:
             continue
         rows = read_training_log(log)
         if rows:
