@@ -71,6 +71,9 @@ class ToyEnvConfig(AtelierConfig):
     """Rewarded tokens: the lowest `target_fraction` of the vocabulary by id."""
     env_latency_s: float = Field(0.0, ge=0)
     """Seconds of environment time per rollout (a sandboxed tool run or grade costs this)."""
+    env_latency_spread: float = Field(0.0, ge=0, le=1)
+    """Each rollout's environment time is env_latency_s * (1 + spread * u), u uniform in [-1, 1]
+    drawn from the rollout's seed: real rollouts differ in length."""
     prompt_words: int = Field(4, ge=1)
 
 

@@ -82,8 +82,9 @@ class ToyEnvironment:
         params = SamplingParams(max_tokens=self.rollout_cfg.max_tokens,
                                 temperature=self.rollout_cfg.temperature, seed=seed)
         gen = model.generate(prompt_ids, params)
-        if self.cfg.env_latency_s:
-            time.sleep(self.cfg.env_latency_s)  # the environment's share of a rollout (tools, grading)
+        if self.cfg.env_latency_s:  # the environment's share of a rollout (tools, grading)
+            u = random.Random(seed).uniform(-1.0, 1.0)
+            time.sleep(self.cfg.env_latency_s * (1.0 + self.cfg.env_latency_spread * u))
         threshold = int(self.cfg.target_fraction * len(tok))
         hits = sum(1 for t in gen.token_ids if t < threshold)
         correctness = hits / max(1, len(gen.token_ids))
