@@ -1,1 +1,13 @@
-"""Asynchronous RL: objective, shaping, reconciler, trainer, weight sync, checkpoints."""
+"""Asynchronous RL: objective, shaping, reconciler, trainer, weight sync, checkpoints.
+
+- `loss`, `advantages`, `shaping`: the objective as pure functions.
+- `ledger`: the slot ledger (queued -> running -> graded -> ready -> trained | dropped), append-only.
+- `reconciler`: admission (staleness bound), retries, groups, batches.
+- `trainer`, `checkpoint`: full-parameter AdamW on a Hugging Face model; step checkpoints.
+- `weight_sync`: `WeightSync.publish/latest`, in-process and XOR delta chain.
+- `env` (toy environment, `Environment` protocol), `task_env` (real tasks through the harness).
+- `backends` (threads, one process) and `ray_launcher` (Ray actors; the only module importing ray).
+- `run`: `run_training(config, run_dir, resume) -> TrainSummary`, the driver.
+
+Heavy modules are not imported here: `from atelier.rl.run import run_training`.
+"""
