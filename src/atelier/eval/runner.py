@@ -96,7 +96,7 @@ def run_eval(model: Any, tasks: Sequence[Task] | str | Path, out_dir: str | Path
         raise EvalError("no tasks to evaluate", hint="pass a task directory or a suite of them")
     table = prices if isinstance(prices, PriceTable) else load_prices(prices)
     if agent_config is None:
-        from atelier.harness.agent import AgentConfig
+        from atelier.harness.config import AgentConfig
 
         agent_config = AgentConfig()
     run_dir = Path(out_dir)
@@ -126,7 +126,7 @@ def run_eval(model: Any, tasks: Sequence[Task] | str | Path, out_dir: str | Path
                 progress(n, len(todo), record)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-        metrics = summarize(run_dir, passes=config.passes, threshold=config.threshold)
+        metrics = summarize(run_dir, threshold=config.threshold)  # K: the most passes the dir was run with
     return EvalSummary(run_dir=run_dir, metrics=metrics, ran=len(todo), skipped=skipped)
 
 
