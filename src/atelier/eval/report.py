@@ -187,6 +187,12 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, *,
                            accuracy=r.metrics.accuracy, ci=r.metrics.accuracy_ci)
                       for r in evals if r.metrics.accuracy is not None]
         sections += ["<h2>Accuracy against cost</h2>", plots.pareto_plot(points, x_label)]
+        placed = {p["label"] for p in points}
+        left = [r.label for r in evals if r.label not in placed]
+        if left:
+            sections.append(f'<p class="muted">Not placed (no price for the model, or no valid attempt): '
+                            f'{escape(", ".join(left))}. Add the model to the price table '
+                            "(<code>--prices</code>) to place it.</p>")
     for run in runs:
         if run.training:
             img = plots.training_plot(run.training, run.label)
