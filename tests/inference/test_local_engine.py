@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -127,21 +128,24 @@ def test_in_flight_weight_update_changes_versions_mid_generation(spiky_model_dir
     with LocalEngine(spiky_model_dir) as engine:
         prompt = engine.tokenizer.encode(TEXTS[0])
         before = engine.generate(prompt, greedy(40))
-        seen = threading.Event()
+        seen, updating = threading.Event(), threading.Event()
         count = [0]
 
         def on_token(token: int, logprob: float, version: int) -> None:
             count[0] += 1
-            if count[0] == 5:
+            if count[0] == 5:  # hold the scheduler here until the update is about to be queued
                 seen.set()
+                updating.wait(60)
+                time.sleep(0.05)
 
         out: list[Generation] = []
         thread = threading.Thread(target=lambda: out.append(
-            engine.generate(prompt, greedy(400), on_token=on_token)))
+            engine.generate(prompt, greedy(150), on_token=on_token)))
         thread.start()
         assert seen.wait(60)
         new = {k: v + 0.05 * torch.randn_like(v) for k, v in engine.model.state_dict().items()
                if k.endswith("mlp.down_proj.weight")}
+        updating.set()
         engine.update_weights(new, version=1)
         assert engine.version == 1
         thread.join(timeout=120)

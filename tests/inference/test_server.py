@@ -9,6 +9,7 @@ import time
 import pytest
 
 from atelier.inference.client import GenerateClient, OpenAIChatModel, ServerError, connect, parse_tool_calls
+from atelier.inference.models import ModelNotFound
 from atelier.inference.types import ChatModel, SamplingParams, TokenModel
 
 openai = pytest.importorskip("openai")
@@ -93,6 +94,29 @@ def test_chat_streaming_carries_every_token_once(server, oai):
     assert versions == [engine.version] * len(ids)
 
 
+def test_stop_strings_are_cut_from_text_but_not_from_token_ids(server, oai):
+    engine, _ = server
+    full = engine.generate(_chat_ids(engine), SamplingParams(max_tokens=30, temperature=0, stop_token_ids=(-1,)))
+    stop = full.text[12:15]
+    kwargs = dict(model=engine.name, messages=MESSAGES, max_tokens=30, temperature=0, stop=[stop])
+    reply = oai.chat.completions.create(**kwargs)
+    content = reply.choices[0].message.content
+    assert stop not in content and full.text.startswith(content) and reply.choices[0].finish_reason == "stop"
+    ids = reply.choices[0].model_extra["atelier"]["token_ids"]
+    assert stop in engine.tokenizer.decode(ids)  # the tokens that made the stop string are kept
+    streamed = "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(**kwargs, stream=True))
+    assert streamed == content
+
+
+def test_visible_text_holds_back_partial_stop_strings():
+    from atelier.inference.server import visible_text
+
+    assert visible_text("abc</end>xyz", ("</end>",), True) == "abc"
+    assert visible_text("abc</e", ("</end>",), False) == "abc"
+    assert visible_text("abc</e", ("</end>",), True) == "abc</e"
+    assert visible_text("abc", (), False) == "abc"
+
+
 def test_completions_text_and_token_prompts(server, oai):
     engine, _ = server
     prompt = "def main():\n"
@@ -114,6 +138,7 @@ def test_generate_client_is_a_token_model_and_sees_weight_updates(server, tmp_pa
     engine, url = server
     with GenerateClient(url + "/v1") as client:
         assert isinstance(client, TokenModel) and client.name == engine.name
+        assert client.max_seq_len == engine.max_seq_len
         ids = client.tokenizer.encode("import os")
         params = SamplingParams(max_tokens=16, temperature=0.8, seed=7)
         got, direct = client.generate(ids, params), engine.generate(ids, params)
@@ -168,7 +193,20 @@ def test_open_model_on_a_url_connects(server):
         assert isinstance(client, GenerateClient) and client.name == engine.name
 
 
-def test_atelier_serve_command_serves_and_missing_model_hints(tiny_model_dir, tmp_path):
+def test_atelier_serve_with_a_missing_model_prints_the_pull_hint(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from atelier.cli import main as cli
+
+    monkeypatch.setenv("ATELIER_CACHE", str(tmp_path / "cache"))
+    cli.register_subcommands()
+    result = CliRunner().invoke(cli.app, ["serve", "--model", "smollm2-135m"])
+    assert isinstance(result.exception, ModelNotFound)
+    assert "atelier models pull smollm2-135m" in result.exception.hint
+
+
+@pytest.mark.slow
+def test_atelier_serve_command_serves(tiny_model_dir, tmp_path):
     import os
     import subprocess
     import sys
@@ -176,14 +214,11 @@ def test_atelier_serve_command_serves_and_missing_model_hints(tiny_model_dir, tm
     import httpx
 
     env = {**os.environ, "ATELIER_CACHE": str(tmp_path / "cache")}
-    cli = [sys.executable, "-m", "atelier.cli.main", "serve"]
-    missing = subprocess.run(cli + ["--model", "smollm2-135m"], env=env, capture_output=True, text=True, timeout=120)
-    assert missing.returncode == 2 and "atelier models pull smollm2-135m" in missing.stderr
     port = _free_port()
-    proc = subprocess.Popen(cli + ["--model", str(tiny_model_dir), "--port", str(port)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-m", "atelier.cli.main", "serve", "--model", str(tiny_model_dir),
+                             "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while True:
             assert proc.poll() is None, proc.stderr.read().decode()
             try:

@@ -77,6 +77,7 @@ class GenerateClient:
         entry = _call(self._client, "GET", "/v1/models")["data"][0]
         self.name = entry["id"]
         meta = entry.get("atelier") or {}
+        self.max_seq_len: int | None = meta.get("max_seq_len")
         if tokenizer is None:
             path = meta.get("tokenizer_path")
             if not path:

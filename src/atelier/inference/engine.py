@@ -188,6 +188,9 @@ class LocalEngine:
                 raise EngineError(f"weight {key!r} has shape {tuple(value.shape)}, expected "
                                   f"{tuple(self._targets[key].shape)}")
             tensors[key] = value
+        if threading.current_thread() is self._thread:
+            raise EngineError("update_weights was called from the engine's own thread (an on_token callback)",
+                              hint="call it from another thread; it waits for the scheduler")
         update = _WeightUpdate(tensors, int(version))
         with self._cond:
             if self._closed:
@@ -306,7 +309,10 @@ class LocalEngine:
             request.logprobs.append(logprob)
             request.versions.append(version)
             if request.on_token is not None:
-                request.on_token(token, logprob, version)
+                try:
+                    request.on_token(token, logprob, version)
+                except Exception:  # a broken listener (gone client) must not fail the batch
+                    request.on_token = None
             reason = self._finish_reason(request, token)
             if reason:
                 request.finish_reason = reason

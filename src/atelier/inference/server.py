@@ -99,6 +99,25 @@ def _text_of(content: Any) -> str:
     return str(content)
 
 
+def visible_text(text: str, stop: tuple[str, ...], final: bool) -> str:
+    """What an OpenAI client sees: `text` cut before the first stop string.
+
+    Mid-stream (`final=False`) a tail that could still grow into a stop string
+    is held back too, so streamed text never shows part of a stop string. The
+    token ids (in the `atelier` extension) always include the stop tokens.
+    """
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+    if cut >= 0:
+        return text[:cut]
+    if not final:
+        for s in stop:
+            for n in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:n]):
+                    text = text[:-n]
+                    break
+    return text
+
+
 def _extension(gen: Generation, prompt_ids: list[int] | None = None) -> dict[str, Any]:
     ext = {"token_ids": gen.token_ids, "logprobs": gen.logprobs, "versions": gen.versions}
     if prompt_ids is not None:
@@ -172,7 +191,8 @@ def create_app(engine) -> FastAPI:
             offsets = [sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
             logprobs = {"tokens": pieces, "token_logprobs": gen.logprobs,
                         "top_logprobs": [{} for _ in pieces], "text_offset": offsets}
-        choice = {"index": 0, "text": gen.text, "logprobs": logprobs, "finish_reason": gen.finish_reason,
+        choice = {"index": 0, "text": visible_text(gen.text, params.stop, True), "logprobs": logprobs,
+                  "finish_reason": gen.finish_reason,
                   "atelier": _extension(gen, prompt)}
         return {**base, "choices": [choice], "usage": usage(prompt, gen)}
 
@@ -185,7 +205,8 @@ def create_app(engine) -> FastAPI:
         if req.stream:
             return _stream(engine, prompt, params, {**base, "object": "chat.completion.chunk"}, chat=True)
         gen = await run_in_threadpool(engine.generate, prompt, params)
-        choice = {"index": 0, "message": {"role": "assistant", "content": gen.text},
+        choice = {"index": 0, "message": {"role": "assistant",
+                                          "content": visible_text(gen.text, params.stop, True)},
                   "logprobs": {"content": token_logprobs(gen)} if req.logprobs else None,
                   "finish_reason": gen.finish_reason, "atelier": _extension(gen, prompt)}
         return {**base, "choices": [choice], "usage": usage(prompt, gen)}
@@ -240,11 +261,13 @@ def _stream(engine, prompt: list[int], params: SamplingParams, base: dict[str, A
                 text = tokenizer.decode(ids, skip_special_tokens=True)
                 new = ""
                 if not text.endswith("\ufffd"):
-                    new, sent = text[len(sent):], text
+                    shown = visible_text(text, params.stop, False)
+                    if len(shown) > len(sent):
+                        new, sent = shown[len(sent):], shown
                 yield chunk(new, {"token_ids": [token], "logprobs": [logprob], "versions": [version]}, None)
             elif item[0] == "done":
                 gen = item[1]
-                rest = gen.text[len(sent):]
+                rest = visible_text(gen.text, params.stop, True)[len(sent):]
                 yield chunk(rest, {"token_ids": [], "logprobs": [], "versions": [],
                                    "prompt_token_ids": prompt}, gen.finish_reason)
                 break
