@@ -277,3 +277,11 @@ def test_existing_task_dir_is_refused_before_running(releases, tmp_path: Path) -
     (tmp_path / "out" / "tinyfmt-1.0.0-to-1.1.0").mkdir(parents=True)
     with pytest.raises(TaskError, match="already exists"):
         build_release_task(old, new, tmp_path / "out", requirements=[], runner=None)
+
+
+def test_changelog_entry_one_bullet_per_release() -> None:
+    text = ("- 0.8.8: Python 3.9 support.\n  New formats: ``html``.\n- 0.8.7: Bug fixes.\n"
+            "- 0.8.6: Stop supporting 3.3.\n")
+    assert changelog_entry(text, "0.8.8") == "Python 3.9 support.\nNew formats: ``html``."
+    assert changelog_entry(text, "0.8.7") == "Bug fixes."
+    assert changelog_entry(text, "0.9.0") is None

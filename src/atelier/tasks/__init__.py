@@ -12,6 +12,9 @@ honest grading.
 - Builders: `release` (+ `changelog`) for consecutive releases of a package;
   `mutate` (operators, pure) and `mutation_tasks` (running and writing).
 - Importers: `swebench`, `harbor`.
+- Suites: `suite` (committed specs under `suites/`: packages, versions,
+  test selections, splits) and `suite_build` (`build_suite`: fetch, build,
+  validate, resume, report).
 
 Heavy parts are not imported here: `from atelier.tasks.grade import grade`.
 """

@@ -6,7 +6,9 @@ it, heading stripped. Headings it knows: Markdown (`## 1.2.0`,
 (and overline) of `=-~^*+#"'.:_` (`1.2.0 (2024-01-01)`, `Version 1.2.0`,
 `attrs 1.2.0 (date)` as towncrier writes it) and unmarked, unindented lines
 that hold only a version and a date (`v1.2.0`, `1.2.0 - 2024-01-01`).
-Versions compare by `packaging` (`1.2` is `1.2.0`). Not understood: Sphinx
+Without such a heading, a bullet per release (`- 1.2.0: Fix tabs.`, more
+lines indented under it) is read too. Versions compare by `packaging` (`1.2`
+is `1.2.0`). Not understood: Sphinx
 `:release:` bullet lists and towncrier fragment directories.
 """
 
@@ -118,4 +120,24 @@ def changelog_entry(text: str, version: str) -> str | None:
             body.pop()
         entry = "\n".join(body).strip("\n")
         return entry if entry.strip() else None
+    return _bullet_entry(lines, version)
+
+
+_BULLET = re.compile(r"^(?P<indent>\s*)[-*]\s+" + _VERSION + r"\s*:\s*(?P<text>.*)$")
+
+
+def _bullet_entry(lines: list[str], version: str) -> str | None:
+    """A changelog kept as one bullet per release (`- 1.2.0: Fix tabs.`,
+    more lines indented under it), as tabulate writes it."""
+    for i, line in enumerate(lines):
+        m = _BULLET.match(line)
+        if m is None or not _same_version(m.group("v"), version):
+            continue
+        body = [m.group("text").rstrip()]
+        for nxt in lines[i + 1:]:
+            if not nxt.strip() or len(nxt) - len(nxt.lstrip()) <= len(m.group("indent")):
+                break
+            body.append(nxt.strip())
+        entry = "\n".join(body).strip()
+        return entry or None
     return None
