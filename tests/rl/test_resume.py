@@ -15,7 +15,7 @@ from atelier.rl.ledger import Ledger
 
 STEPS, GROUPS, SIZE = 4, 2, 2
 ARGS = [f"trainer.steps={STEPS}", f"rollout.groups_per_step={GROUPS}", f"rollout.group_size={SIZE}",
-        "rollout.workers=4", "rollout.max_tokens=8", "env.toy.tasks=40", "env.toy.env_latency_s=0.2",
+        "rollout.workers=4", "rollout.max_tokens=8", "env.toy.tasks=40", "env.toy.env_latency_s=0.4",
         "trainer.lr=1e-3"]
 
 
@@ -37,12 +37,22 @@ def _wait_for_steps(proc: subprocess.Popen, metrics: Path, n: int, limit: float 
     raise AssertionError("the training process made no progress")
 
 
+def _wait_for_running(proc: subprocess.Popen, ledger: Path, limit: float = 240.0) -> None:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if any(s.state == "running" for s in Ledger.load(ledger).slots.values()):
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    raise AssertionError("no rollout was ever running")
+
+
 def test_kill_9_then_resume_trains_every_sample_exactly_once(tmp_path):
     run = tmp_path / "run"
     recipe = Path(__file__).parents[2] / "recipes" / "rl-tiny.toml"
     proc = _train(str(recipe), "--run-dir", str(run))
-    _wait_for_steps(proc, run / "metrics.jsonl", 2)
-    time.sleep(0.4)                               # somewhere inside step 3: rollouts and training in flight
+    _wait_for_steps(proc, run / "metrics.jsonl", 1)
+    _wait_for_running(proc, run / "ledger.jsonl")  # after a step, with rollouts in flight
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     before = Ledger.load(run / "ledger.jsonl")
