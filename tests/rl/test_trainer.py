@@ -47,3 +47,16 @@ def test_train_cli_user_errors(tmp_path):
     bad.write_text("[rollout]\ngroup_sise = 4\n")
     result = runner.invoke(cli.app, ["train", str(bad)])
     assert isinstance(result.exception, AtelierError) and "group_size" in str(result.exception)   # the typo is named with a suggestion
+
+
+def test_asking_for_a_logger_that_is_not_installed_is_a_user_error(tmp_path, monkeypatch):
+    import sys
+
+    from atelier.rl.metrics import MissingLogger, flat_scalars, make_loggers
+
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(MissingLogger) as info:
+        make_loggers(["wandb"], tmp_path, {})
+    assert "pip install wandb" in info.value.hint
+    assert flat_scalars({"step": 3, "reward_parts": {"length": -0.5}, "mode": "async", "ok": True}) == {
+        "step": 3.0, "reward_parts/length": -0.5}

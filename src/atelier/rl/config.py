@@ -121,3 +121,5 @@ class TrainConfig(AtelierConfig):
     env: EnvConfig = Field(default_factory=EnvConfig)
     shaping: ShapingConfig = Field(default_factory=ShapingConfig)
     curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
+    loggers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
+    """Extra metric sinks besides RUN_DIR/metrics.jsonl (each needs its package installed)."""

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from atelier.errors import AtelierError
 from atelier.rl.advantages import group_stats
 
 
@@ -66,3 +67,49 @@ def _elapsed(counters) -> float:
     import time
 
     return time.perf_counter() - counters.since
+
+
+class MissingLogger(AtelierError):
+    """A metrics logger was asked for but its package is not installed."""
+
+
+def flat_scalars(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """Numeric leaves of a metrics record as `a/b` keys (for TensorBoard and W&B)."""
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flat_scalars(value, name + "/"))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = float(value)
+    return out
+
+
+def make_loggers(kinds: list[str], run_dir: Path, config: dict[str, Any]) -> list[Callable[[dict], None]]:
+    """Extra sinks besides metrics.jsonl: "tensorboard" and/or "wandb"."""
+    loggers: list[Callable[[dict], None]] = []
+    for kind in kinds:
+        if kind == "tensorboard":
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise MissingLogger("TensorBoard logging needs the tensorboard package",
+                                    hint="pip install tensorboard, or drop 'tensorboard' from loggers") from None
+            writer = SummaryWriter(str(run_dir / "tensorboard"))
+
+            def to_tensorboard(record: dict, w=writer) -> None:
+                for key, value in flat_scalars(record).items():
+                    w.add_scalar(key, value, record["step"])
+                w.flush()
+
+            loggers.append(to_tensorboard)
+        elif kind == "wandb":
+            try:
+                import wandb
+            except ImportError:
+                raise MissingLogger("Weights & Biases logging needs the wandb package",
+                                    hint="pip install wandb, or drop 'wandb' from loggers") from None
+            wandb_run = wandb.init(project="atelier", dir=str(run_dir), config=config, resume="allow",
+                                   id=run_dir.name)
+            loggers.append(lambda r, run=wandb_run: run.log(flat_scalars(r), step=r["step"]))
+    return loggers

@@ -34,7 +34,7 @@ from atelier.rl.config import TrainConfig
 from atelier.rl.curriculum import Curriculum
 from atelier.rl.env import make_environment
 from atelier.rl.ledger import Ledger
-from atelier.rl.metrics import MetricsWriter, step_metrics
+from atelier.rl.metrics import MetricsWriter, make_loggers, step_metrics
 from atelier.rl.reconciler import Reconciler
 from atelier.rl.sample import samples_from_trajectory
 from atelier.rl.weight_sync import DeltaChainWeightSync, InProcessWeightSync
@@ -113,6 +113,7 @@ def run_training(config: TrainConfig, run_dir: str | Path, resume: bool = False,
     start = time.perf_counter()
     run_dir = Path(run_dir)
     prepare_run_dir(config, run_dir, resume)
+    loggers = make_loggers(config.loggers, run_dir, config.model_dump(mode="json"))
     base = resolve_model_dir(config.model, run_dir)
     ckpt = latest_checkpoint(run_dir) if resume else None
     step = read_meta(ckpt)["step"] if ckpt else 0
@@ -177,6 +178,8 @@ def run_training(config: TrainConfig, run_dir: str | Path, resume: bool = False,
                                   counters=reconciler.take_counters(), idle_s=t1 - t0, busy_s=t2 - t1,
                                   wall_s=time.perf_counter() - start, mode=config.rollout.mode)
             writer_metrics.write(record)
+            for log in loggers:
+                log(record)
             if on_step is not None:
                 on_step(record)
         last = latest_checkpoint(run_dir)
