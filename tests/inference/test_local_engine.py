@@ -241,3 +241,39 @@ def test_closed_engine_refuses(spiky_model_dir):
     engine.close()
     with pytest.raises(EngineError, match="closed"):
         engine.generate([1, 2], greedy(2))
+
+
+def test_cache_growth_past_its_first_allocation_keeps_outputs_exact(spiky_model_dir, hf_model):
+    """A 300-token prompt joins while a short request decodes: the cache grows past its first
+    256 positions under the running request, whose keys and values must survive the copy."""
+    with LocalEngine(spiky_model_dir, max_batch=4) as engine:
+        assert engine._forward.cache.capacity < 300
+        long_prompt = engine.tokenizer.encode("def add(a, b):\n    return a + b\n\n" * 40)[:300]
+        short_prompt = engine.tokenizer.encode(TEXTS[5])
+        started = threading.Event()
+        results: dict[str, list[int]] = {}
+
+        def on_token(*_: object) -> None:
+            started.set()
+
+        short = threading.Thread(target=lambda: results.__setitem__(
+            "short", engine.generate(short_prompt, greedy(60), on_token=on_token).token_ids))
+        short.start()
+        assert started.wait(60)
+        results["long"] = engine.generate(long_prompt, greedy(8)).token_ids
+        short.join(timeout=120)
+        assert engine._forward.cache.capacity >= 512
+    assert results["long"] == hf_greedy(hf_model, long_prompt, 8)
+    assert results["short"] == hf_greedy(hf_model, short_prompt, 60)
+
+
+def test_bfloat16_engine_runs_close_to_fp32(spiky_model_dir, engine):
+    prompt = engine.tokenizer.encode(TEXTS[0])
+    ref = engine.generate(prompt, greedy(6))
+    with LocalEngine(spiky_model_dir, dtype="bfloat16") as bf16:
+        assert bf16.dtype == torch.bfloat16
+        got = bf16.generate(prompt, greedy(6))
+    assert got.token_ids[:2] == ref.token_ids[:2]
+    assert abs(got.logprobs[0] - ref.logprobs[0]) < 0.1
+    with pytest.raises(EngineError, match="unknown dtype"):
+        LocalEngine(spiky_model_dir, dtype="int3")

@@ -300,6 +300,7 @@ class LocalEngine:
     def _take(self, indices: list[int], logits_BV: torch.Tensor) -> None:
         """Sample one token for each of `self._active[indices]` (row k of logits), then retire."""
         version = self._version
+        logits_BV = logits_BV.cpu()  # one device-to-host copy per step, not one per row
         finished = []
         for row, index in enumerate(indices):
             request = self._active[index]

@@ -47,8 +47,13 @@ def _rotate(q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, cos_BTD: torch.Tensor, s
 
 
 class SlotCache:
-    """Keys and values for up to `slots` sequences; grows along T on demand."""
+    """Keys and values for up to `slots` sequences; grows along T on demand.
 
+    Every method runs under `torch.inference_mode`: the buffers are inference
+    tensors, which may only be written there.
+    """
+
+    @torch.inference_mode()
     def __init__(self, layers: int, slots: int, kv_heads: int, head_dim: int, dtype, device,
                  initial_len: int = 256) -> None:
         shape = (layers, slots, kv_heads, initial_len, head_dim)
@@ -59,6 +64,7 @@ class SlotCache:
     def capacity(self) -> int:
         return self.k_LSHTD.shape[3]
 
+    @torch.inference_mode()
     def ensure(self, length: int) -> None:
         """Make room for `length` positions per slot (doubling; copies once per growth)."""
         if length <= self.capacity:
@@ -72,6 +78,7 @@ class SlotCache:
             new[:, :, :, : old.shape[3]] = old
             setattr(self, name, new)
 
+    @torch.inference_mode()
     def move_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` positions of slot `src` into slot `dst`."""
         if src != dst and length > 0:
