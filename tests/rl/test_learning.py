@@ -85,4 +85,6 @@ def test_ray_launcher_runs_steps_through_actors_and_the_delta_chain(ray_instance
     for path in (tmp_path / "run" / "rollouts").glob("*.json"):
         for seg in json.loads(path.read_text())["segments"]:
             versions |= {v for v, k in zip(seg["versions"], seg["loss_mask"]) if k}
-    assert versions >= {0, 1, 2}   # the actor's engine took every published version
+    # the actor's engine took the published weights: later groups sampled at version 1
+    # (step 3 trains groups admitted at version >= 1; with S = 1 nothing newer is needed)
+    assert versions >= {0, 1}
