@@ -108,6 +108,18 @@ def test_stop_strings_are_cut_from_text_but_not_from_token_ids(server, oai):
     assert streamed == content
 
 
+def test_split_tool_calls_takes_well_formed_blocks_only():
+    from atelier.inference.server import split_tool_calls
+
+    text = ('Reading it.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call>\n'
+            '<tool_call>{"name": "edit_file", "arguments": {"path": </tool_call>')
+    rest, calls = split_tool_calls(text)
+    assert [c["function"]["name"] for c in calls] == ["read_file"]
+    assert parse_tool_calls(calls)[0]["arguments"] == {"path": "a.py"}
+    assert rest.startswith("Reading it.") and '"edit_file"' in rest and "read_file" not in rest
+    assert split_tool_calls("no calls here ") == ("no calls here ", [])
+
+
 def test_visible_text_holds_back_partial_stop_strings():
     from atelier.inference.server import visible_text
 

@@ -13,7 +13,10 @@ Endpoints:
   extension: `token_ids`, `logprobs`, `versions` of the tokens it covers (the
   final choice also has `prompt_token_ids`), so a client that streams still
   gets every token id exactly once. `logprobs: true` also fills the standard
-  `logprobs.content` list.
+  `logprobs.content` list. When the request declares `tools`, well-formed
+  `<tool_call>` blocks in a non-streamed reply come back as native
+  `tool_calls` (finish_reason "tool_calls"); streamed replies carry the text
+  as generated.
 - `POST /v1/completions` (OpenAI): `prompt` is a string or a list of token
   ids; `logprobs: N` fills the standard legacy `logprobs` object.
 - `POST /v1/generate`: `{"prompt_ids": [...], "max_tokens", "temperature",
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from typing import Any, Optional, Union
@@ -116,6 +120,35 @@ def visible_text(text: str, stop: tuple[str, ...], final: bool) -> str:
                     text = text[:-n]
                     break
     return text
+
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def split_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """Hermes-style `<tool_call>{"name", "arguments"}</tool_call>` blocks -> OpenAI `tool_calls`.
+
+    Used when a chat request declares `tools` (as vLLM's hermes parser does).
+    Well-formed blocks leave the text and become calls (arguments as a JSON
+    string); a malformed block stays in the text, so the caller's own parser
+    sees it and can count it as a broken call.
+    """
+    calls: list[dict[str, Any]] = []
+
+    def take(match: re.Match) -> str:
+        try:
+            call = json.loads(match.group(1))
+        except ValueError:
+            return match.group(0)
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return match.group(0)
+        arguments = call.get("arguments", {})
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": call["name"], "arguments": json.dumps(arguments)}})
+        return ""
+
+    rest = _TOOL_CALL.sub(take, text)
+    return (rest.strip() if calls else rest), calls
 
 
 def _extension(gen: Generation, prompt_ids: list[int] | None = None) -> dict[str, Any]:
@@ -205,10 +238,17 @@ def create_app(engine) -> FastAPI:
         if req.stream:
             return _stream(engine, prompt, params, {**base, "object": "chat.completion.chunk"}, chat=True)
         gen = await run_in_threadpool(engine.generate, prompt, params)
-        choice = {"index": 0, "message": {"role": "assistant",
-                                          "content": visible_text(gen.text, params.stop, True)},
+        content = visible_text(gen.text, params.stop, True)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        finish = gen.finish_reason
+        if req.tools:
+            content, calls = split_tool_calls(content)
+            if calls:
+                message = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                finish = "tool_calls"
+        choice = {"index": 0, "message": message,
                   "logprobs": {"content": token_logprobs(gen)} if req.logprobs else None,
-                  "finish_reason": gen.finish_reason, "atelier": _extension(gen, prompt)}
+                  "finish_reason": finish, "atelier": _extension(gen, prompt)}
         return {**base, "choices": [choice], "usage": usage(prompt, gen)}
 
     return app
