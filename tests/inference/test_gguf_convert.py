@@ -149,6 +149,7 @@ def test_pull_errors_name_the_problem(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_real_pull_of_smollm2_answers_sensibly(tmp_path, monkeypatch):
     from atelier.inference.engine import LocalEngine
     from atelier.inference.types import SamplingParams
@@ -160,4 +161,8 @@ def test_real_pull_of_smollm2_answers_sensibly(tmp_path, monkeypatch):
             [{"role": "user", "content": "What is the capital of France?"}],
             add_generation_prompt=True, tokenize=True, return_dict=False)
         got = engine.generate(list(ids), SamplingParams(max_tokens=20, temperature=0))
-    assert "Paris" in got.text and got.finish_reason == "stop"
+        assert "Paris" in got.text and got.finish_reason == "stop"
+        assert engine.tokenizer.eos_token == "<|im_end|>" and got.token_ids[-1] == engine.tokenizer.eos_token_id
+        ref = engine.model.generate(torch.tensor([list(ids)]), max_new_tokens=20, do_sample=False)
+        assert ref[0, len(ids):].tolist() == got.token_ids
+    assert pull_model("smollm2-135m") == path  # idempotent

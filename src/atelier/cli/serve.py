@@ -22,9 +22,14 @@ def serve(
     """Serve MODEL over HTTP: /v1/chat/completions (streaming), /v1/completions,
     /v1/models, /v1/generate (token ids), /v1/weights, /health.
     Example: atelier serve --model smollm2-135m --port 8000"""
+    from atelier.errors import AtelierError
+    from atelier.inference.models import is_url, open_model
+
+    if is_url(model):
+        raise AtelierError(f"--model {model} is a server URL; `atelier serve` serves a local model",
+                           hint="pass a model directory or a known name such as smollm2-135m")
     import uvicorn
 
-    from atelier.inference.models import open_model
     from atelier.inference.server import create_app
 
     with open_model(model, device=device, dtype=dtype, max_batch=max_batch) as engine:
