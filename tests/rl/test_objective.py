@@ -37,7 +37,7 @@ def test_loss_sums_tokens_and_divides_by_a_constant():
     inp = _inputs(logp, logp, [1.0, -2.0], [[1, 1, 0], [1, 0, 0]])
     loss, m = policy_loss(inp, norm_tokens=10.0)
     # -(1*(-1) + 1*(-2) + (-2)*(-0.5)) / 10 = -(-3 + 1)/10 = 0.2
-    assert float(loss) == pytest.approx(0.2)
+    assert float(loss.detach()) == pytest.approx(0.2)
     loss.backward()
     # d loss / d logp = -w * A / 10 on masked tokens; no per-sequence length factor
     assert torch.allclose(inp.logprobs_BT.grad, torch.tensor([[-0.1, -0.1, 0.0], [0.2, 0.0, 0.0]], dtype=torch.float64))
@@ -49,7 +49,7 @@ def test_importance_weight_is_truncated_at_c():
     inp = _inputs([[-1.0, -2.0]], [[-2.0, -1.0]], [1.0], [[1, 1]])
     loss, m = policy_loss(inp, is_cap=2.0, norm_tokens=1.0)
     expected = -(2.0 * -1.0 + math.exp(-1) * -2.0)
-    assert float(loss) == pytest.approx(expected)
+    assert float(loss.detach()) == pytest.approx(expected)
     loss.backward()
     assert torch.allclose(inp.logprobs_BT.grad, torch.tensor([[-2.0, -math.exp(-1)]], dtype=torch.float64))
     assert m["is_truncated_frac"] == pytest.approx(0.5)
@@ -60,7 +60,7 @@ def test_k1_kl_enters_as_a_detached_per_token_penalty():
     inp = _inputs([[-1.0, -1.0]], [[-1.0, -1.0]], [0.0], [[1, 1]], ref=[[-1.5, -0.5]])
     loss, m = policy_loss(inp, kl_beta=0.1, norm_tokens=1.0)
     # k1 = logp - ref = [0.5, -0.5]; per-token advantage = -0.1 * k1
-    assert float(loss) == pytest.approx(-((-0.05) * -1.0 + 0.05 * -1.0))
+    assert float(loss.detach()) == pytest.approx(-((-0.05) * -1.0 + 0.05 * -1.0))
     assert m["kl_k1"] == pytest.approx(0.0)
     loss.backward()
     assert torch.allclose(inp.logprobs_BT.grad, torch.tensor([[0.05, -0.05]], dtype=torch.float64))
