@@ -33,8 +33,10 @@ class ShapingConfig(AtelierConfig):
     length_q: float = Field(0.5, ge=0)
     """Concavity: 0 is linear, closer to 1 flattens faster."""
     token_weights: dict[str, float] = Field(default_factory=lambda: {
-        "completion": 1.0, "tool_call": 1.0, "tool_output": 0.1, "final_message": 1.0, "summary": 1.0})
-    """Weight of each token kind in x (kinds as in Trajectory.tokens; missing kinds weigh 0)."""
+        "thinking": 1.0, "tool_call": 1.0, "tool_output": 0.1, "final_message": 1.0, "summary": 1.0})
+    """Weight of each token kind in x (kinds as in Trajectory.tokens; missing kinds weigh 0).
+    "completion" is the harness's total of sampled tokens, so it is left out by default
+    (it would count thinking and tool-call tokens twice)."""
     tool_call_weight: float = 20.0
     turn_weight: float = 20.0
     broken_call_penalty: float = 0.1
