@@ -70,6 +70,8 @@ def main() -> None:
                 "reward_last": round(summary.reward_last or 0.0, 3),
                 "staleness_max": max((r["staleness_max"] for r in rows), default=0),
                 "sync_bytes_mean": round(sum(r["sync_bytes"] for r in rows) / max(len(rows), 1)),
+                # steady state: seconds per step after the first (engine and model start-up left out)
+                "step_s_after_first": round(sum(r["interval_s"] for r in rows[1:]) / max(len(rows) - 1, 1), 3),
             }
     out = {
         "benchmark": "rl_async",
@@ -84,6 +86,8 @@ def main() -> None:
         "sync": results["sync"],
         "async": results["async"],
         "speedup_async_over_sync": round(results["sync"]["wall_s"] / results["async"]["wall_s"], 2),
+        "steady_speedup": round(results["sync"]["step_s_after_first"]
+                                / max(results["async"]["step_s_after_first"], 1e-9), 2),
         "target_speedup": 1.5,
     }
     json.dump(out, sys.stdout)
