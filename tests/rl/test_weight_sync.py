@@ -72,3 +72,15 @@ def test_in_process_sync_hands_out_a_detached_copy():
     w += 1
     sd, step = sync.latest()
     assert step == 1 and torch.equal(sd["w"], torch.ones(3))
+
+
+def test_bf16_deltas_of_a_small_step_are_a_small_fraction_of_a_snapshot(tmp_path):
+    g = torch.Generator().manual_seed(2)
+    master = torch.randn(256, 256, generator=g)            # fp32 master weights
+    sync = DeltaChainWeightSync(tmp_path, full_every=100)
+    full = sync.publish({"w": master.to(torch.bfloat16)}, 0)
+    master += 1e-5 * torch.randn(256, 256, generator=g)    # a small optimizer step
+    delta = sync.publish({"w": master.to(torch.bfloat16)}, 1)
+    assert delta.kind == "delta" and delta.bytes < full.bytes / 5
+    got, _ = DeltaChainWeightSync(tmp_path).latest()
+    assert torch.equal(got["w"].view(torch.int16), master.to(torch.bfloat16).view(torch.int16))

@@ -61,6 +61,10 @@ class SyncConfig(AtelierConfig):
     """Delta chain: a full snapshot every N publishes."""
     dir: str = ""
     """Delta chain directory (shared storage); empty: RUN_DIR/weights."""
+    dtype: Literal["same", "bfloat16"] = "same"
+    """Precision of the published weights. "bfloat16": the trainer keeps fp32 weights and
+    Adam state, inference gets bf16 copies; most bf16 values do not change in a small step,
+    so deltas shrink (the sampler's rounding is corrected by the importance weights)."""
 
 
 class ToyEnvConfig(AtelierConfig):

@@ -137,7 +137,7 @@ def run_training(config: TrainConfig, run_dir: str | Path, resume: bool = False,
         root = None
         writer = reader = InProcessWeightSync()
     if (writer.latest() or (None, -1))[1] != step:  # readers start from the trainer's weights
-        writer.publish(trainer.state_dict(), step)
+        writer.publish(_published(trainer.state_dict(), config.sync.dtype), step)
 
     env = make_environment(config.env, config.rollout, config.shaping, config.seed)
     backend = make_backend(config, env, model_path, step, reader, root)
@@ -165,7 +165,7 @@ def run_training(config: TrainConfig, run_dir: str | Path, resume: bool = False,
             if step % config.trainer.checkpoint_every == 0:
                 save_checkpoint(run_dir, step, trainer, tokenizer,
                                 {"trained_slots": batch.slot_ids, "cursor": sorted(ledger.task_ids())})
-            sync = writer.publish(trainer.state_dict(), step)
+            sync = writer.publish(_published(trainer.state_dict(), config.sync.dtype), step)
             ts = time.perf_counter()
             backend.update_weights(step)
             engine_swap_s = time.perf_counter() - ts
@@ -202,6 +202,14 @@ def run_training(config: TrainConfig, run_dir: str | Path, resume: bool = False,
         ledger=ledger.counts(), checkpoint=str(latest_checkpoint(run_dir) or "") or None, metrics=rows)
     (run_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=1) + "\n")
     return summary
+
+
+def _published(state_dict, dtype: str):
+    if dtype == "same":
+        return state_dict
+    import torch
+
+    return {k: v.detach().to(torch.bfloat16) if v.is_floating_point() else v for k, v in state_dict.items()}
 
 
 def _tokenizer(model_path: Path):
