@@ -20,6 +20,7 @@ def base_cmd(
     repos: List[Path] = typer.Option([], "--repo", help="A held-out repository (repeat for several)."),
     overrides: List[str] = typer.Option([], "--set", help="Eval option, e.g. --set window=1024 --set histories=8"),
     out_dir: Optional[Path] = typer.Option(None, "--out", help="Write evals.json and evals.png here."),
+    device: str = typer.Option("auto", "--device", help="auto (a GPU when torch sees one), cpu or cuda."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object only."),
 ) -> None:
     """Codebase perplexity and state tracking of MODEL on each --repo.
@@ -27,9 +28,11 @@ def base_cmd(
     from atelier.config import load_config
     from atelier.pretrain.config import BaseEvalConfig
     from atelier.pretrain.evals import run_base_evals
+    from atelier.pretrain.modeling import pick_device
 
     config = load_config(BaseEvalConfig, None, overrides)
-    results = run_base_evals(model, [str(r) for r in repos], config, out_dir=out_dir)
+    results = run_base_evals(model, [str(r) for r in repos], config, out_dir=out_dir,
+                             device=pick_device(device))
     if as_json:
         print(json.dumps(results))
         return

@@ -71,6 +71,8 @@ def scale_rope_theta(model, factor: float, max_positions: int | None = None) -> 
 def pick_device(choice: str) -> str:
     import torch
 
+    if choice not in ("auto", "cpu", "cuda"):
+        raise AtelierError(f"unknown device {choice!r}", hint="use auto, cpu or cuda")
     if choice == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if choice == "cuda" and not torch.cuda.is_available():

@@ -108,7 +108,7 @@ def run_pretrain(config: PretrainConfig, run_dir: str | Path, *, resume: bool = 
     result.final_model = final
     _plot(run_dir)
     if config.evals.enabled:
-        result.evals = _base_evals(config, final, corpus, run_dir)
+        result.evals = _base_evals(config, final, corpus, run_dir, device)
     (run_dir / "summary.json").write_text(json.dumps({
         "final_model": str(final), "global_step": result.global_step,
         "phases": [p.name for p in config.phases], "evals": result.evals}, indent=1) + "\n")
@@ -247,10 +247,10 @@ def _plot(run_dir: Path) -> None:
     plot_losses(run_dir / METRICS, run_dir / "loss.png")
 
 
-def _base_evals(config: PretrainConfig, final: Path, corpus, run_dir: Path) -> dict[str, Any]:
+def _base_evals(config: PretrainConfig, final: Path, corpus, run_dir: Path, device: str) -> dict[str, Any]:
     from atelier.pretrain.evals import run_base_evals
 
     repos = corpus.heldout_repos if corpus is not None else []
     if not repos:  # e.g. only JSONL sources: nothing laid out as a repository to read whole
         return {"skipped": "no held-out code repositories; run `atelier evals base --repo DIR`"}
-    return run_base_evals(str(final), repos, config.evals, out_dir=run_dir)
+    return run_base_evals(str(final), repos, config.evals, out_dir=run_dir, device=device)
