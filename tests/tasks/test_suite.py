@@ -164,7 +164,7 @@ def test_plan_only_and_limit(spec_file: Path) -> None:
     assert len(releases) == 1 and [c for _, c in mutations] == [1]
 
 
-def test_committed_spec_meets_the_issue() -> None:
+def test_committed_spec_is_pinned_pypi_with_splits() -> None:
     spec = resolve_spec("atelier-bench").spec
     assert spec.name == "atelier-bench"
     assert all(r.split == "test" and r.old_dir is None for r in spec.release)
