@@ -33,7 +33,7 @@ system-deps:
 	  fi; fi
 
 demo: $(STAMP) system-deps
-	$(VENV)/bin/atelier sandbox bench
+	$(VENV)/bin/atelier run recipes/demo.toml --out runs/demo
 
 test: $(STAMP) system-deps
 	$(PY) -m pytest

@@ -68,6 +68,9 @@ def run_pipeline(config: RunConfig, run_dir: str | Path, *, recipe_dir: str | Pa
         import torch
 
         torch.set_num_threads(config.threads)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # stages print their own progress lines
     ledger = _Ledger(run_dir)
     context = _Context(config, run_dir, Path(recipe_dir).resolve(), say, ledger)
     for stage in STAGES:
