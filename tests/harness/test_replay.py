@@ -66,3 +66,12 @@ def test_a_hunk_without_a_short_unique_anchor_becomes_a_whole_file_write():
     lines = original.splitlines(keepends=True)
     lines[50] = "changed\n"
     assert calls == [("write_file", {"path": "r.txt", "content": "".join(lines)})]
+
+
+def test_reads_show_only_the_lines_around_each_change():
+    """A replay must fit the policy's context: it reads windows, never whole long files."""
+    patch = ("--- a/big.py\n+++ b/big.py\n@@ -100,3 +100,3 @@\n a\n-b\n+B\n c\n"
+             "@@ -105,3 +105,3 @@\n d\n-e\n+E\n f\n@@ -400,2 +400,2 @@\n-y\n+Y\n z\n")
+    reads = gold_patch_calls(patch)[0]
+    assert reads == [("read_file", {"path": "big.py", "start_line": 92, "end_line": 116}),
+                     ("read_file", {"path": "big.py", "start_line": 392, "end_line": 410})]

@@ -2,7 +2,9 @@
 data: a gold patch replayed through the same tools the agent uses.
 
 `gold_patch_script(patch, read_original=...)` returns the assistant texts of
-a short episode: one turn reading the files to change, one turn per file
+a short episode: one turn reading the lines around each change (a window of
+`READ_MARGIN` lines, not whole files, so the replay fits the context budget
+the policy itself has), one turn per file
 (`edit_file` per hunk, `write_file` for new files, `delete_file`), then a
 `submit`. With `read_original` (e.g. `sandbox.read_file`) every edit's
 old_string is widened with surrounding lines until it is unique in the file
@@ -20,6 +22,7 @@ from atelier.harness.errors import HarnessError
 from atelier.harness.parsing import format_call
 
 MAX_WIDEN = 40
+READ_MARGIN = 8   # lines shown around each hunk by the replay's read_file calls
 _HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 
 
@@ -140,7 +143,8 @@ def gold_patch_calls(patch: str, read_original: Callable[[str], str] | None = No
     if not files:
         raise HarnessError("the patch changes no files", hint="pass a unified diff (git diff output)")
     turns: list[list[tuple[str, dict[str, Any]]]] = []
-    reads = [("read_file", {"path": f.path}) for f in files if f.kind == "modify"]
+    reads = [("read_file", {"path": f.path, "start_line": lo, "end_line": hi})
+             for f in files if f.kind == "modify" for lo, hi in _read_windows(f)]
     if reads:
         turns.append(reads)
     for f in files:
@@ -151,6 +155,21 @@ def gold_patch_calls(patch: str, read_original: Callable[[str], str] | None = No
         else:
             turns.append(_modify_calls(f, read_original))
     return turns
+
+
+def _read_windows(f: FilePatch) -> list[tuple[int, int]]:
+    """1-based inclusive line ranges covering every hunk of `f` with READ_MARGIN
+    lines around it, overlapping ranges merged. The end may pass the file's last
+    line; read_file clamps it."""
+    windows: list[tuple[int, int]] = []
+    for h in f.hunks:
+        lo = max(1, h.old_start - READ_MARGIN)
+        hi = h.old_start + max(h.old_count, 1) + READ_MARGIN
+        if windows and lo <= windows[-1][1] + 1:
+            windows[-1] = (windows[-1][0], max(windows[-1][1], hi))
+        else:
+            windows.append((lo, hi))
+    return windows
 
 
 def _modify_calls(f: FilePatch, read_original: Callable[[str], str] | None) -> list[tuple[str, dict]]:
