@@ -7,7 +7,8 @@ concurrently; each call enqueues a request and blocks on its own event.
 The scheduler thread (continuous batching) repeats one *step*:
 
 1. apply every queued weight update (in the order they were queued);
-2. admit waiting requests into free cache slots and prefill them together;
+2. admit waiting requests into free cache slots and prefill them together,
+   each from the end of its longest prefix in the prefix cache (see below);
    each admitted request samples its first token from the prefill logits;
 3. decode one token for every active request in one batched forward;
 4. retire requests that hit a stop token, a stop string, `max_tokens` or the
@@ -29,6 +30,21 @@ Guarantees, which the tests check:
   weights), not on what else shares the batch, up to float rounding across
   batch shapes.
 
+Prefix caching (`atelier.inference.prefix_cache`; `prefix_cache_tokens=0`
+turns it off): after a prefill the prompt's keys and values are copied into
+the cache in blocks, and again when a request finishes (prompt plus
+completion, so the agent's next turn, which extends them, finds them). A new
+request restores its longest cached prefix into its slot and computes only
+the rest. Within one admission, a request whose next uncached block another
+admitted request is about to compute waits one step and then reuses it:
+concurrent rollouts of a task prefill their shared system prompt once.
+
+Prefix caching and weight updates: the cache is dropped when an update lands,
+and a request that was running across an update is not cached when it
+finishes (its keys mix two versions). So a cached prefix was always computed
+by the weights that will use it, and outputs with and without the cache are
+the same up to float rounding across batch shapes (tested greedy-exact).
+
 Logprob semantics are those of `atelier.inference.sampling`.
 """
 
@@ -43,6 +59,7 @@ import torch
 
 from atelier.errors import AtelierError
 from atelier.inference.forward import BatchedForward
+from atelier.inference.prefix_cache import PrefixCache
 from atelier.inference.sampling import make_generator, sample_token
 from atelier.inference.types import Generation, SamplingParams
 
@@ -64,6 +81,7 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     length: int = 0              # positions already in the KV cache
+    epoch: int = -1              # the engine's weight epoch when this request was prefilled
     finish_reason: str | None = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -94,14 +112,18 @@ def _pick_dtype(device: torch.device, dtype: str | torch.dtype | None) -> torch.
 class LocalEngine:
     """A `TokenModel` over a local Hugging Face model directory, with continuous batching.
 
-    `LocalEngine(path, device="cpu", dtype=None, max_batch=32, max_seq_len=None)`.
+    `LocalEngine(path, device="cpu", dtype=None, max_batch=32, max_seq_len=None,
+    prefix_cache_tokens=16384)`.
     `dtype=None` means fp32 on the CPU and bf16 on a GPU that supports it.
+    `prefix_cache_tokens` bounds the prefix cache (0: off); a token costs
+    `2 * layers * kv_heads * head_dim` numbers of `dtype` (45 KB for SmolLM2-135M
+    in fp32, so the default holds ~0.75 GB there).
     Use as a context manager or call `close()`.
     """
 
     def __init__(self, model_path: str | Path, *, device: str = "cpu", dtype: str | torch.dtype | None = None,
                  max_batch: int = 32, max_seq_len: int | None = None, name: str | None = None,
-                 version: int = 0) -> None:
+                 version: int = 0, prefix_cache_tokens: int = 16384) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = Path(model_path)
@@ -115,6 +137,10 @@ class LocalEngine:
         limit = getattr(self.model.config, "max_position_embeddings", None) or 2048
         self.max_seq_len = min(limit, max_seq_len) if max_seq_len else limit
         self._forward = BatchedForward(self.model, max_batch)
+        if prefix_cache_tokens < 0:
+            raise EngineError("prefix_cache_tokens must be >= 0", hint="0 turns the prefix cache off")
+        self.prefix_cache = PrefixCache(prefix_cache_tokens)
+        self._epoch = 0  # bumped by every weight update: KV from an older epoch is never cached
         self._targets = self.model.state_dict()
         eos = self.tokenizer.eos_token_id
         self._default_stop = frozenset([eos] if eos is not None else [])
@@ -124,8 +150,10 @@ class LocalEngine:
         self._active: list[_Request] = []     # request i occupies cache slot i
         self._updates: list[_WeightUpdate] = []
         self._closed = False
-        # Counters for tests and benchmarks: decode steps run, the largest batch decoded.
-        self.stats = {"steps": 0, "max_batch_seen": 0, "prefills": 0}
+        # Counters for tests and benchmarks: decode steps run, the largest batch decoded,
+        # prompt tokens computed by prefills and prompt tokens restored from the prefix cache.
+        self.stats = {"steps": 0, "max_batch_seen": 0, "prefills": 0, "prefill_tokens": 0,
+                      "prefix_hit_tokens": 0}
         self._thread = threading.Thread(target=self._loop, name=f"engine-{self.name}", daemon=True)
         self._thread.start()
 
@@ -257,6 +285,8 @@ class LocalEngine:
                         request.error = exc
                         request.done.set()
                 self._active = []
+                with self._cond:  # requests put back for the next step failed too
+                    self._waiting = [r for r in self._waiting if not r.done.is_set()]
         closed = EngineError("the engine was closed before this request finished")
         with self._cond:
             for request in self._waiting + self._active:
@@ -268,6 +298,8 @@ class LocalEngine:
             self._waiting, self._active, self._updates = [], [], []
 
     def _apply(self, update: _WeightUpdate) -> None:
+        self.prefix_cache.clear()  # even a failed update may have changed some weights
+        self._epoch += 1
         try:
             with torch.no_grad():
                 for key, value in update.tensors.items():
@@ -278,14 +310,53 @@ class LocalEngine:
         update.done.set()
 
     def _prefill(self, admitted: list[_Request]) -> None:
+        admitted, hits = self._plan(admitted)
+        if not admitted:
+            return
         first = len(self._active)
-        slots = list(range(first, first + len(admitted)))
         self._active.extend(admitted)
-        logits_BV = self._forward.prefill([r.prompt for r in admitted], slots)
+        cache = self._forward.cache
+        for slot, blocks in enumerate(hits, start=first):
+            for j, b in enumerate(blocks):
+                cache.write(slot, j * self.prefix_cache.block, b.k_LHnD, b.v_LHnD)
+        starts = [len(blocks) * self.prefix_cache.block for blocks in hits]
+        logits_BV = self._forward.prefill([r.prompt for r in admitted], first, starts)
         self.stats["prefills"] += 1
-        for request in admitted:
+        self.stats["prefix_hit_tokens"] += sum(starts)
+        self.stats["prefill_tokens"] += sum(len(r.prompt) for r in admitted) - sum(starts)
+        for slot, request in enumerate(admitted, start=first):
             request.length = len(request.prompt)
+            request.epoch = self._epoch
+            self._remember(request.prompt, request.length, slot)
         self._take(list(range(first, first + len(admitted))), logits_BV)
+
+    def _plan(self, admitted: list[_Request]) -> tuple[list[_Request], list[list]]:
+        """Look up each request's cached prefix; put back (for the next step) any request whose
+        first uncached block an earlier request in this admission will compute."""
+        if not self.prefix_cache.enabled:
+            return admitted, [[] for _ in admitted]
+        run, hits, deferred, claimed = [], [], [], set()
+        for request in admitted:
+            keys = self.prefix_cache.keys_for(request.prompt)
+            n = 0
+            while n < len(keys) and keys[n] in self.prefix_cache:
+                n += 1
+            if n < len(keys) and keys[n] in claimed:
+                deferred.append(request)
+                continue
+            claimed.update(keys[n:])
+            run.append(request)
+            hits.append(self.prefix_cache.match(keys[:n]))
+        if deferred:
+            with self._cond:
+                self._waiting[:0] = deferred
+        return run, hits
+
+    def _remember(self, tokens: list[int], length: int, slot: int) -> None:
+        """Copy the full blocks of `tokens[:length]`, whose KV is in `slot`, into the prefix cache."""
+        if self.prefix_cache.enabled:
+            cache = self._forward.cache
+            self.prefix_cache.insert(tokens, length, lambda a, b: cache.read(slot, a, b))
 
     def _decode(self) -> None:
         tokens = [r.token_ids[-1] for r in self._active]
@@ -342,6 +413,8 @@ class LocalEngine:
     def _retire(self, index: int) -> None:
         """Wake the request's caller and keep active slots contiguous (move the last into the gap)."""
         request = self._active[index]
+        if request.epoch == self._epoch:  # its whole KV came from the current weights
+            self._remember(request.prompt + request.token_ids, request.length, index)
         last = len(self._active) - 1
         if index != last:
             moved = self._active[last]

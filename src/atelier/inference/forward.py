@@ -85,6 +85,19 @@ class SlotCache:
             self.k_LSHTD[:, dst, :, :length] = self.k_LSHTD[:, src, :, :length]
             self.v_LSHTD[:, dst, :, :length] = self.v_LSHTD[:, src, :, :length]
 
+    @torch.inference_mode()
+    def read(self, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of positions `start:end` of `slot`: (k, v), each `[L, Hkv, end-start, D]`."""
+        return (self.k_LSHTD[:, slot, :, start:end].clone(), self.v_LSHTD[:, slot, :, start:end].clone())
+
+    @torch.inference_mode()
+    def write(self, slot: int, start: int, k_LHnD: torch.Tensor, v_LHnD: torch.Tensor) -> None:
+        """Put `n` positions of keys and values into `slot` from position `start`."""
+        end = start + k_LHnD.shape[2]
+        self.ensure(end)
+        self.k_LSHTD[:, slot, :, start:end] = k_LHnD
+        self.v_LSHTD[:, slot, :, start:end] = v_LHnD
+
 
 class BatchedForward:
     """Prefill and decode over a Hugging Face Llama-family causal LM."""
@@ -132,38 +145,55 @@ class BatchedForward:
         return self.model.lm_head(self.core.norm(h_BM)).float()
 
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]], slots: list[int]) -> torch.Tensor:
-        """Run each prompt from position 0 into its slot; return last-position logits [B, V] (fp32).
+    def prefill(self, prompts: list[list[int]], first_slot: int, starts: list[int] | None = None) -> torch.Tensor:
+        """Run prompt b into slot `first_slot + b` from position `starts[b]`; return last-position
+        logits [B, V] (fp32).
 
-        Prompts are right-padded to one length; padded keys are masked out and
-        the cache entries they write lie past the sequence's length, where the
-        decode mask ignores them until a real token overwrites them.
+        Positions before `starts[b]` must already be in the slot (a prefix-cache hit); only
+        `prompts[b][starts[b]:]` is computed. Chunks are right-padded to one length N; the cache
+        entries padding writes lie past the sequence's length, where no real query looks and
+        decoding overwrites them before its mask lets them in.
         """
-        B, P = len(prompts), max(len(p) for p in prompts)
-        self.cache.ensure(P + 1)
-        ids_BP = torch.zeros((B, P), dtype=torch.long, device=self.device)
-        lens_B = torch.tensor([len(p) for p in prompts], device=self.device)
-        for b, p in enumerate(prompts):
-            ids_BP[b, : len(p)] = torch.tensor(p, dtype=torch.long)
-        pos_BP = torch.arange(P, device=self.device).expand(B, P)
-        key_ok_BP = pos_BP < lens_B[:, None]
-        causal_PP = torch.ones((P, P), dtype=torch.bool, device=self.device).tril()
-        mask_B1PP = (causal_PP[None] & key_ok_BP[:, None, :]).unsqueeze(1)
-        slot_idx = torch.tensor(slots, device=self.device)
+        B = len(prompts)
+        starts = starts or [0] * B
+        chunks = [p[s:] for p, s in zip(prompts, starts)]
+        N = max(len(c) for c in chunks)
+        T = max(starts) + N  # keys a query may see: cached prefix plus this chunk
+        self.cache.ensure(T + 1)
+        ids_BN = torch.zeros((B, N), dtype=torch.long, device=self.device)
+        for b, c in enumerate(chunks):
+            ids_BN[b, : len(c)] = torch.tensor(c, dtype=torch.long)
+        lens_B = torch.tensor([len(c) for c in chunks], device=self.device)
+        start_B = torch.tensor(starts, device=self.device)
+        pos_BN = start_B[:, None] + torch.arange(N, device=self.device)
+        cached = any(starts)
+        if cached:  # attend over the slot: the cached prefix, then this chunk, causally
+            mask_B1NT = (torch.arange(T, device=self.device)[None, None, :] <= pos_BN[:, :, None]).unsqueeze(1)
+        else:       # attend over this chunk's own keys: no read back from the cache
+            causal_NN = torch.ones((N, N), dtype=torch.bool, device=self.device).tril()
+            key_ok_BN = torch.arange(N, device=self.device)[None, :] < lens_B[:, None]
+            mask_B1NT = (causal_NN[None] & key_ok_BN[:, None, :]).unsqueeze(1)
+        slots = slice(first_slot, first_slot + B)
+        slot_B1 = torch.arange(first_slot, first_slot + B, device=self.device)[:, None]
 
-        x_BPM = self.core.embed_tokens(ids_BP)
-        cos, sin = self.core.rotary_emb(x_BPM, pos_BP)
+        x_BNM = self.core.embed_tokens(ids_BN)
+        cos, sin = self.core.rotary_emb(x_BNM, pos_BN)
         for i, layer in enumerate(self.layers):
-            def attend(h_BPM, i=i, layer=layer):
-                q, k, v = self._qkv(layer, h_BPM, pos_BP)
+            def attend(h_BNM, i=i, layer=layer):
+                q, k, v = self._qkv(layer, h_BNM, pos_BN)
                 q, k = _rotate(q, k, cos, sin)
-                self.cache.k_LSHTD[i, slot_idx, :, :P] = k
-                self.cache.v_LSHTD[i, slot_idx, :, :P] = v
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1PP, scale=self.scaling,
+                if cached:
+                    self.cache.k_LSHTD[i, slot_B1, :, pos_BN] = k.transpose(1, 2)
+                    self.cache.v_LSHTD[i, slot_B1, :, pos_BN] = v.transpose(1, 2)
+                    k, v = self.cache.k_LSHTD[i, slots, :, :T], self.cache.v_LSHTD[i, slots, :, :T]
+                else:
+                    self.cache.k_LSHTD[i, slots, :, :N] = k
+                    self.cache.v_LSHTD[i, slots, :, :N] = v
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1NT, scale=self.scaling,
                                                    enable_gqa=True)
-                return o.transpose(1, 2).reshape(B, P, -1)
-            x_BPM = self._block(layer, x_BPM, attend)
-        last_BM = x_BPM[torch.arange(B, device=self.device), lens_B - 1]
+                return o.transpose(1, 2).reshape(B, N, -1)
+            x_BNM = self._block(layer, x_BNM, attend)
+        last_BM = x_BNM[torch.arange(B, device=self.device), lens_B - 1]
         return self._logits(last_BM)
 
     @torch.inference_mode()
