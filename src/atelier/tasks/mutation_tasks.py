@@ -14,6 +14,7 @@ import json
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -26,6 +27,7 @@ from typing import Callable, Sequence
 from atelier.errors import AtelierError
 from atelier.sandbox.base import SandboxConfig
 from atelier.tasks.junit import JUnitError, parse_junit
+from atelier.tasks.pytest_ini import idle_plugin_args
 from atelier.tasks.mutate import (
     Mutation,
     _count_changed_lines,
@@ -88,7 +90,9 @@ def run_pytest_local(repo_dir: Path, timeout: float = 300.0, python: str = sys.e
 def sandbox_pytest_runner(backend: str = "bwrap", timeout: float = 300.0) -> Runner:
     """A `run_tests` that runs the repository's pytest suite in a fresh sandbox
     (no network, nothing of the host writable), with the same environment
-    grading uses: a venv of this Python that sees its site-packages."""
+    grading uses: a venv of this Python that sees its site-packages, and the
+    same plugins switched off as the tasks' test command
+    (`atelier.tasks.pytest_ini.idle_plugin_args`)."""
     from atelier.sandbox import SandboxError, create_sandbox
     from atelier.sandbox.base import WORKDIR
     from atelier.tasks.envs import ensure_python_env, env_mounts, env_python
@@ -100,8 +104,8 @@ def sandbox_pytest_runner(backend: str = "bwrap", timeout: float = 300.0) -> Run
 
     def run(repo_dir: Path) -> dict[str, str]:
         report = "/tmp/atelier-mutate-junit.xml"
-        argv = [env_python(venv), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "junit_family=xunit1",
-                "--continue-on-collection-errors", f"--junitxml={report}"]
+        argv = [env_python(venv), "-m", "pytest", *idle_plugin_args(repo_dir), "-q", "-p", "no:cacheprovider",
+                "-o", "junit_family=xunit1", "--continue-on-collection-errors", f"--junitxml={report}"]
         env = {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": f"{WORKDIR}:{WORKDIR}/src"}
         with create_sandbox(repo_dir, config) as sb:
             res = sb.exec(argv, timeout=timeout, env=env)
@@ -224,6 +228,7 @@ def _write_task(out: Path, work: Path, repo_name: str, files: dict[str, str], mu
         prompt=terse_prompt(muts, f2p),
         env=PythonEnv(python=f"{sys.version_info.major}.{sys.version_info.minor}",
                       system_site_packages=True),
+        test_command=shlex.join(["python", "-m", "pytest", *idle_plugin_args(work)]),
         fail_to_pass=f2p,
         pass_to_pass=p2p,
         metadata=TaskMetadata(source="mutation", category=",".join(sorted({m.operator for m in muts})),

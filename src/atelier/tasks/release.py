@@ -22,7 +22,11 @@ Example: `atelier tasks build release-diff --package cachetools --from 5.1.0
   with the new release's `Requires-Dist` (PKG-INFO; requirements behind an
   `extra` other than test/tests/testing are left out, other markers are
   evaluated for 3.11) pinned to what pip resolves today.
-- src-layouts are imported through `-o pythonpath=src` in `test_command`.
+- The test command is `atelier.tasks.pytest_ini.test_command` of the new
+  release: src-layouts get `src` added to the project's own `pythonpath`,
+  coverage/xdist options are left out of its `addopts` (the task
+  environment has neither plugin), and environment plugins that neither
+  release mentions are switched off (`pytest_ini.idle_plugin_args`).
 
 A candidate without a changelog entry, without a changed non-test file, or
 without any FAIL_TO_PASS test is dropped with that reason; nothing is
@@ -49,6 +53,7 @@ import zipfile
 from pathlib import Path, PurePosixPath
 from typing import Callable
 
+from atelier.tasks import pytest_ini
 from atelier.tasks.changelog import changelog_entry
 from atelier.tasks.schema import (PythonEnv, Task, TaskError, TaskLimits, TaskMetadata, TaskSpec,
                                   node_file)
@@ -61,6 +66,7 @@ _SKIP_DIRS = {".git", ".hg", ".tox", ".nox", ".venv", "__pycache__", ".pytest_ca
 _TEST_DIRS = {"tests", "test"}
 CHANGELOG_NAMES = ("CHANGES", "CHANGELOG", "HISTORY", "NEWS", "RELEASE_NOTES", "RELEASES")
 DOCS_CHANGELOG_NAMES = ("VERSIONS", "WHATSNEW", "WHATS_NEW", "RELEASE", "NEWS")
+DOCS_DEPTH = 3
 
 
 # --- files --------------------------------------------------------------------
@@ -105,17 +111,26 @@ def release_diff(old: Path, new: Path, paths: list[str]) -> str:
 
 
 def find_changelog(root: Path) -> list[Path]:
-    """Changelog candidates, most likely first."""
-    found = []
-    for d in (root, root / "docs", root / "doc"):
-        if not d.is_dir():
+    """Changelog candidates, most likely first: the root, then `docs/` and
+    `doc/`, then their subdirectories down to `DOCS_DEPTH` levels
+    (`docs/source/changes.rst`, `docs/src/markdown/about/changelog.md`)."""
+    def named(p: Path, in_docs: bool) -> bool:
+        stem = p.name.split(".")[0].upper().replace("-", "_")
+        return p.is_file() and (stem in CHANGELOG_NAMES or (in_docs and (
+            stem.startswith(("CHANGE", "HISTORY")) or stem in DOCS_CHANGELOG_NAMES)))
+
+    found = [p for p in sorted(root.iterdir()) if named(p, False)]
+    deeper: list[Path] = []
+    for top in (root / "docs", root / "doc"):
+        if not top.is_dir():
             continue
-        for p in sorted(d.iterdir()):
-            stem = p.name.split(".")[0].upper().replace("-", "_")
-            docs_name = d != root and (stem.startswith(("CHANGE", "HISTORY")) or stem in DOCS_CHANGELOG_NAMES)
-            if p.is_file() and (stem in CHANGELOG_NAMES or docs_name):
-                found.append(p)
-    return found
+        found += [p for p in sorted(top.iterdir()) if named(p, True)]
+        for dirpath, dirnames, filenames in os.walk(top):
+            depth = len(Path(dirpath).relative_to(top).parts)
+            dirnames[:] = sorted(d for d in dirnames if depth < DOCS_DEPTH and not d.startswith(("_", ".")))
+            if depth:
+                deeper += [p for name in sorted(filenames) if named(p := Path(dirpath) / name, True)]
+    return found + deeper
 
 
 def read_metadata(root: Path) -> dict[str, list[str]]:
@@ -406,8 +421,7 @@ def build_release_task(old_dir: str | Path, new_dir: str | Path, out: str | Path
     if requirements is None:
         requirements = pin_requirements(runtime_requirements(meta.get("requires-dist", []),
                                                              exclude=package))
-    src_layout = (old / "src").is_dir()
-    test_command = "python -m pytest" + (" --rootdir=. -o pythonpath=src" if src_layout else "")
+    test_command = pytest_ini.test_command(new, src_layout=(old / "src").is_dir(), also=(old,))
     spec = TaskSpec(
         id=task_id, prompt=entry,
         env=PythonEnv(python=PYTHON, requirements=requirements, system_site_packages=True),
