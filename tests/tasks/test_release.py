@@ -90,6 +90,10 @@ attrs 1.1.0 (2023-06-01)
     ("## 1.1.0\n\n- a\n\n## 1.2.0\n\n- b\n", "- b"),
     ("### v1.2 (2024-01-01)\n\n* b\n\n### v1.1\n* a\n", "* b"),
     ("1.2.0 - 2024-01-01\n\n- b\n\n1.1.0 - 2023-01-01\n\n- a\n", "- b"),
+    # reST link headings, as PyJWT writes them
+    ("`Unreleased <https://x/compare/1.2.0...HEAD>`__\n------\n\n"
+     "`v1.2.0 <https://x/compare/1.1.0...1.2.0>`__\n------\n\nFixed\n~~~~~\n\n- b\n\n"
+     "`v1.1.0 <https://x/compare/1.0.0...1.1.0>`__\n------\n\n- a\n", "Fixed\n~~~~~\n\n- b"),
 ])
 def test_changelog_entry_formats(text: str, expected: str) -> None:
     assert changelog_entry(text, "1.2.0") == expected
@@ -268,6 +272,13 @@ def test_find_changelog(tmp_path: Path) -> None:
                           "docs/api.rst": "", "docs/history.md": ""})
     assert [p.relative_to(tmp_path).as_posix() for p in find_changelog(tmp_path)] == [
         "CHANGES.rst", "docs/history.md", "docs/versions.rst"]
+    # deeper in docs/ (soupsieve, h11), after the shallow ones; not in _static or too deep
+    write_tree(tmp_path, {"docs/src/markdown/about/changelog.md": "", "doc/source/changes.rst": "",
+                          "docs/_static/changes.txt": "", "docs/a/b/c/d/changelog.md": "",
+                          "docs/src/markdown/index.md": ""})
+    assert [p.relative_to(tmp_path).as_posix() for p in find_changelog(tmp_path)] == [
+        "CHANGES.rst", "docs/history.md", "docs/versions.rst", "docs/src/markdown/about/changelog.md",
+        "doc/source/changes.rst"]
 
 
 def test_existing_task_dir_is_refused_before_running(releases, tmp_path: Path) -> None:

@@ -4,7 +4,8 @@
 it, heading stripped. Headings it knows: Markdown (`## 1.2.0`,
 `## [1.2.0] - 2024-01-01`, `### v1.2 (date)`), reST titles over an underline
 (and overline) of `=-~^*+#"'.:_` (`1.2.0 (2024-01-01)`, `Version 1.2.0`,
-`attrs 1.2.0 (date)` as towncrier writes it) and unmarked, unindented lines
+`attrs 1.2.0 (date)` as towncrier writes it, `` `v1.2.0 <url>`__ `` links)
+and unmarked, unindented lines
 that hold only a version and a date (`v1.2.0`, `1.2.0 - 2024-01-01`).
 Without such a heading, a bullet per release (`- 1.2.0: Fix tabs.`, more
 lines indented under it) is read too. Versions compare by `packaging` (`1.2`
@@ -55,10 +56,14 @@ def _same_version(a: str, b: str) -> bool:
         return False
 
 
+_RST_LINK = re.compile(r"`([^`<]+?)\s*<[^>`]*>`_{1,2}")
+
+
 def _head_version(text: str, strict: bool) -> str | None:
     """The version a heading names; `strict` (an unmarked line) also wants
-    nothing after the version but a date."""
-    m = _HEAD.match(text)
+    nothing after the version but a date. A reST link heading names its text
+    (`` `v1.2.0 <https://…/compare/1.1.0...1.2.0>`__ ``)."""
+    m = _HEAD.match(_RST_LINK.sub(r"\1", text))
     if m is None:
         return None
     rest = m.group("rest")
