@@ -78,6 +78,15 @@ def test_missing_gold_patch(task_factory) -> None:
     assert "gold.patch" in err.message
 
 
+def test_gold_patch_keeps_crlf_lines(task_dir: Path) -> None:
+    """A patch of a CRLF file must reach `git apply` byte for byte (read
+    with universal newlines it no longer applies)."""
+    patch = ("diff --git a/make.bat b/make.bat\n--- a/make.bat\n+++ b/make.bat\n"
+             "@@ -1 +1 @@\n-@echo off\r\n+@echo on\r\n")
+    (task_dir / "gold.patch").write_bytes(patch.encode())
+    assert load_task(task_dir).gold_patch == patch
+
+
 def git(repo: Path, *args: str) -> None:
     subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t",
                     "-c", "commit.gpgsign=false", *args], check=True, capture_output=True)

@@ -35,7 +35,7 @@ def grade_cmd(
 
     task = load_task(task_dir)
     try:
-        patch_text = patch.read_text(encoding="utf-8")
+        patch_text = patch.read_bytes().decode("utf-8")  # CRLF lines kept for git apply
     except (OSError, UnicodeDecodeError) as exc:
         raise TaskError(f"cannot read patch {patch}: {exc}",
                         hint="pass a unified diff file; an empty file means no change") from None

@@ -80,7 +80,7 @@ def load_task(task_dir: str | Path) -> Task:
     gold = root / "gold.patch"
     if not gold.is_file():
         raise fail(f"missing gold.patch in {root}", "write the reference fix as a unified diff there")
-    gold_text = gold.read_text(encoding="utf-8")
+    gold_text = gold.read_bytes().decode("utf-8")  # as written: a CRLF file's patch keeps its \r
     if not gold_text.strip():
         raise fail("gold.patch is empty", "a task needs a reference fix that makes fail_to_pass pass")
     return Task(**spec.model_dump(), root=root, snapshot=repo, gold_patch=gold_text)

@@ -38,7 +38,7 @@ def write_task(out_dir: str | Path, spec: TaskSpec, repo: str | Path,
             dest.write_bytes(content)
         else:
             dest.write_text(content, encoding="utf-8")
-    (out / "gold.patch").write_text(gold_patch, encoding="utf-8")
+    (out / "gold.patch").write_bytes(gold_patch.encode("utf-8"))
     full = spec.model_copy(update={"hidden_tests": sorted(set(spec.hidden_tests) | set(hidden_tests))})
     (out / TASK_FILE).write_text(dump_config(full), encoding="utf-8")
     return load_task(out)
