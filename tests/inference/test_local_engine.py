@@ -277,3 +277,22 @@ def test_bfloat16_engine_runs_close_to_fp32(spiky_model_dir, engine):
     assert abs(got.logprobs[0] - ref.logprobs[0]) < 0.1
     with pytest.raises(EngineError, match="unknown dtype"):
         LocalEngine(spiky_model_dir, dtype="int3")
+
+
+def test_weight_update_reaches_fused_projections(spiky_model_dir):
+    """q/k/v and gate/up run as fused matmuls over views of the model's parameters: an update of
+    those parameters must change exactly what Hugging Face's forward with the same weights gives."""
+    from transformers import AutoModelForCausalLM
+
+    with LocalEngine(spiky_model_dir) as engine:
+        prompt = engine.tokenizer.encode(TEXTS[3])
+        before = engine.generate(prompt, greedy(20)).token_ids
+        g = torch.Generator().manual_seed(1)
+        new = {k: v + 0.2 * torch.randn(v.shape, generator=g) for k, v in engine.model.state_dict().items()
+               if k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight",
+                              "up_proj.weight"))}
+        engine.update_weights(new, version=1)
+        got = engine.generate(prompt, greedy(20)).token_ids
+    ref = AutoModelForCausalLM.from_pretrained(spiky_model_dir).eval()
+    ref.load_state_dict(new, strict=False)
+    assert got == hf_greedy(ref, prompt, 20) and got != before

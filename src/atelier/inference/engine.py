@@ -60,7 +60,7 @@ import torch
 from atelier.errors import AtelierError
 from atelier.inference.forward import BatchedForward
 from atelier.inference.prefix_cache import PrefixCache
-from atelier.inference.sampling import make_generator, sample_token
+from atelier.inference.sampling import make_generator, sample_rows
 from atelier.inference.types import Generation, SamplingParams
 
 TokenCallback = Callable[[int, float, int], None]
@@ -141,6 +141,7 @@ class LocalEngine:
             raise EngineError("prefix_cache_tokens must be >= 0", hint="0 turns the prefix cache off")
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
         self._epoch = 0  # bumped by every weight update: KV from an older epoch is never cached
+        self._clear_prefix = False
         self._targets = self.model.state_dict()
         eos = self.tokenizer.eos_token_id
         self._default_stop = frozenset([eos] if eos is not None else [])
@@ -247,6 +248,12 @@ class LocalEngine:
         self.update_weights(tensors, version)
         return len(tensors)
 
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prefix before the next step (benchmarks use it between runs)."""
+        with self._cond:
+            self._clear_prefix = True
+            self._cond.notify_all()
+
     def close(self) -> None:
         """Stop the scheduler; waiting and running requests fail with `EngineError`."""
         with self._cond:
@@ -270,6 +277,9 @@ class LocalEngine:
                 if self._closed:
                     break
                 updates, self._updates = self._updates, []
+                if self._clear_prefix:
+                    self.prefix_cache.clear()
+                    self._clear_prefix = False
                 free = self.max_batch - len(self._active)
                 admitted, self._waiting = self._waiting[:free], self._waiting[free:]
             for update in updates:
@@ -371,12 +381,10 @@ class LocalEngine:
     def _take(self, indices: list[int], logits_BV: torch.Tensor) -> None:
         """Sample one token for each of `self._active[indices]` (row k of logits), then retire."""
         version = self._version
-        logits_BV = logits_BV.cpu()  # one device-to-host copy per step, not one per row
+        requests = [self._active[i] for i in indices]
+        sampled = sample_rows(logits_BV, [(r.params.temperature, r.params.top_p, r.generator) for r in requests])
         finished = []
-        for row, index in enumerate(indices):
-            request = self._active[index]
-            p = request.params
-            token, logprob = sample_token(logits_BV[row], p.temperature, p.top_p, request.generator)
+        for index, request, (token, logprob) in zip(indices, requests, sampled):
             request.token_ids.append(token)
             request.logprobs.append(logprob)
             request.versions.append(version)

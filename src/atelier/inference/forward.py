@@ -13,9 +13,18 @@ slot `s` holds one sequence. Active sequences always occupy slots `0..B-1`
 (the engine compacts on finish with `move_slot`), so a decode step attends
 over a *view* `[:B, :, :Tmax]` instead of gathering. `T` grows by doubling.
 
-Shape legend: B batch (sequences), P prompt length (padded), T cache length,
-L layers, H query heads, Hkv key/value heads, D head dim, M model width,
-V vocabulary.
+Cost per decoder layer and step (what makes a step cheap on a CPU, where
+every multi-threaded op pays a synchronisation however small it is): q/k/v
+and gate/up run as one matmul each over fused weights whose slices *are* the
+model's parameters (so `update_weights` needs no extra step), RMSNorm is one
+fused op, the new keys and values go into the cache with one `index_copy_`
+each (advanced-index assignment was ~100x slower), and attention is one
+`scaled_dot_product_attention`.
+
+Shape legend: B batch (sequences), N new tokens per sequence in a prefill
+(padded), T key positions (cache length), L layers, S slots, H query heads,
+Hkv key/value heads, X = H + 2 Hkv fused q/k/v heads, D head dim, M model
+width, V vocabulary.
 
 Supported: `model_type` in `SUPPORTED_TYPES` (Llama, Mistral without a
 sliding window, Qwen2). Others raise `UnsupportedModel` when loaded.
@@ -35,15 +44,41 @@ class UnsupportedModel(AtelierError):
     """The local engine has no batched forward for this architecture."""
 
 
-def _rotate(q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor):
-    cos = cos_BTD.unsqueeze(1)
-    sin = sin_BTD.unsqueeze(1)
+def _rotate(x_BHTD: torch.Tensor, cos_B1TD: torch.Tensor, sin_B1TD: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding as Hugging Face applies it: x * cos + rotate_half(x) * sin.
 
-    def half(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((-x2, x1), dim=-1)
+    `sin_B1TD` comes with its first half negated, so rotate_half(x) * sin is
+    roll(x, D/2) * sin: the same products, two ops fewer.
+    """
+    return x_BHTD * cos_B1TD + torch.roll(x_BHTD, x_BHTD.shape[-1] // 2, dims=-1) * sin_B1TD
 
-    return q_BHTD * cos + half(q_BHTD) * sin, k_BHTD * cos + half(k_BHTD) * sin
+
+def _norm(norm, x_BTM: torch.Tensor) -> torch.Tensor:
+    """The model's RMSNorm in one fused op (Hugging Face's computes it in fp32, then scales)."""
+    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+    if x_BTM.dtype == torch.float32:
+        return F.rms_norm(x_BTM, (x_BTM.shape[-1],), norm.weight, eps)
+    return norm.weight * F.rms_norm(x_BTM.float(), (x_BTM.shape[-1],), eps=eps).to(x_BTM.dtype)
+
+
+def _fuse(module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) of `module`'s linears `names` into one tensor and make
+    each linear's parameters views into it: one matmul instead of several, no extra memory, and
+    writes into the model's own parameters (`update_weights`) land in the fused tensor."""
+    linears = [getattr(module, n) for n in names]
+    fused = []
+    for attr in ("weight", "bias"):
+        parts = [getattr(lin, attr) for lin in linears]
+        if all(p is None for p in parts):
+            fused.append(None)
+            continue
+        whole = torch.cat([p.detach() for p in parts])
+        offset = 0
+        for lin, p in zip(linears, parts):
+            setattr(lin, attr, torch.nn.Parameter(whole[offset:offset + p.shape[0]], requires_grad=False))
+            offset += p.shape[0]
+        fused.append(whole)
+    return fused[0], fused[1]
 
 
 class SlotCache:
@@ -119,6 +154,12 @@ class BatchedForward:
         self.scaling = attn.scaling
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
+        if any(getattr(layer.self_attn.q_proj, "bias", None) is not None and
+               getattr(layer.self_attn.k_proj, "bias", None) is None for layer in self.layers):
+            raise UnsupportedModel("the local engine expects q, k and v projections to all have a bias or none")
+        with torch.no_grad():
+            self.qkv = [_fuse(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in self.layers]
+            self.gate_up = [_fuse(layer.mlp, ("gate_proj", "up_proj")) for layer in self.layers]
         param = next(hf_model.parameters())
         self.cache = SlotCache(len(self.layers), max_slots, self.kv_heads, self.head_dim,
                                param.dtype, param.device)
@@ -127,22 +168,37 @@ class BatchedForward:
     def device(self) -> torch.device:
         return self.cache.k_LSHTD.device
 
-    def _qkv(self, layer, x_BTM: torch.Tensor, pos_BT: torch.Tensor):
-        attn = layer.self_attn
-        B, T, _ = x_BTM.shape
-        q = attn.q_proj(x_BTM).view(B, T, self.heads, self.head_dim).transpose(1, 2)
-        k = attn.k_proj(x_BTM).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = attn.v_proj(x_BTM).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        return q, k, v
+    def _rope(self, x_BTM: torch.Tensor, pos_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos_BTD, sin_BTD = self.core.rotary_emb(x_BTM, pos_BT)
+        half = self.head_dim // 2
+        sin_BTD = torch.cat((-sin_BTD[..., :half], sin_BTD[..., half:]), dim=-1)
+        return cos_BTD.unsqueeze(1), sin_BTD.unsqueeze(1)
 
-    def _block(self, layer, x_BTM, attend) -> torch.Tensor:
-        h = layer.input_layernorm(x_BTM)
-        a_BTM = attend(h)
-        x_BTM = x_BTM + layer.self_attn.o_proj(a_BTM)
-        return x_BTM + layer.mlp(layer.post_attention_layernorm(x_BTM))
+    def _slot_rows(self, slot_B: torch.Tensor, pos_BT: torch.Tensor) -> torch.Tensor:
+        """Row indices into one layer's cache viewed as [S*Hkv*Tcap, D], for (slot, head, position),
+        ordered like k.reshape(-1, D) for k of shape [B, Hkv, T, D]."""
+        heads = torch.arange(self.kv_heads, device=self.device)
+        cap = self.cache.capacity
+        return ((slot_B[:, None, None] * self.kv_heads + heads[None, :, None]) * cap
+                + pos_BT[:, None, :]).reshape(-1)
+
+    def _layers(self, x_BTM: torch.Tensor, pos_BT: torch.Tensor, attend) -> torch.Tensor:
+        """Every decoder layer; `attend(i, q, k, v)` stores k and v and returns attention [B, H, T, D]."""
+        B, T, _ = x_BTM.shape
+        H, Hkv, D = self.heads, self.kv_heads, self.head_dim
+        cos, sin = self._rope(x_BTM, pos_BT)
+        for i, layer in enumerate(self.layers):
+            qkv_BTX = F.linear(_norm(layer.input_layernorm, x_BTM), *self.qkv[i])
+            qkv_BXTD = qkv_BTX.view(B, T, H + 2 * Hkv, D).transpose(1, 2)
+            qk = _rotate(qkv_BXTD[:, : H + Hkv], cos, sin)
+            o_BHTD = attend(i, qk[:, :H], qk[:, H:], qkv_BXTD[:, H + Hkv:])
+            x_BTM = x_BTM + layer.self_attn.o_proj(o_BHTD.transpose(1, 2).reshape(B, T, H * D))
+            gate, up = F.linear(_norm(layer.post_attention_layernorm, x_BTM), *self.gate_up[i]).chunk(2, dim=-1)
+            x_BTM = x_BTM + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+        return x_BTM
 
     def _logits(self, h_BM: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.core.norm(h_BM)).float()
+        return self.model.lm_head(_norm(self.core.norm, h_BM)).float()
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], first_slot: int, starts: list[int] | None = None) -> torch.Tensor:
@@ -166,35 +222,30 @@ class BatchedForward:
         lens_B = torch.tensor([len(c) for c in chunks], device=self.device)
         start_B = torch.tensor(starts, device=self.device)
         pos_BN = start_B[:, None] + torch.arange(N, device=self.device)
+        slots = slice(first_slot, first_slot + B)
         cached = any(starts)
         if cached:  # attend over the slot: the cached prefix, then this chunk, causally
             mask_B1NT = (torch.arange(T, device=self.device)[None, None, :] <= pos_BN[:, :, None]).unsqueeze(1)
+            rows = self._slot_rows(torch.arange(first_slot, first_slot + B, device=self.device), pos_BN)
         else:       # attend over this chunk's own keys: no read back from the cache
             causal_NN = torch.ones((N, N), dtype=torch.bool, device=self.device).tril()
             key_ok_BN = torch.arange(N, device=self.device)[None, :] < lens_B[:, None]
             mask_B1NT = (causal_NN[None] & key_ok_BN[:, None, :]).unsqueeze(1)
-        slots = slice(first_slot, first_slot + B)
-        slot_B1 = torch.arange(first_slot, first_slot + B, device=self.device)[:, None]
 
-        x_BNM = self.core.embed_tokens(ids_BN)
-        cos, sin = self.core.rotary_emb(x_BNM, pos_BN)
-        for i, layer in enumerate(self.layers):
-            def attend(h_BNM, i=i, layer=layer):
-                q, k, v = self._qkv(layer, h_BNM, pos_BN)
-                q, k = _rotate(q, k, cos, sin)
-                if cached:
-                    self.cache.k_LSHTD[i, slot_B1, :, pos_BN] = k.transpose(1, 2)
-                    self.cache.v_LSHTD[i, slot_B1, :, pos_BN] = v.transpose(1, 2)
-                    k, v = self.cache.k_LSHTD[i, slots, :, :T], self.cache.v_LSHTD[i, slots, :, :T]
-                else:
-                    self.cache.k_LSHTD[i, slots, :, :N] = k
-                    self.cache.v_LSHTD[i, slots, :, :N] = v
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1NT, scale=self.scaling,
-                                                   enable_gqa=True)
-                return o.transpose(1, 2).reshape(B, N, -1)
-            x_BNM = self._block(layer, x_BNM, attend)
-        last_BM = x_BNM[torch.arange(B, device=self.device), lens_B - 1]
-        return self._logits(last_BM)
+        def attend(i, q, k, v):
+            kc, vc = self.cache.k_LSHTD[i], self.cache.v_LSHTD[i]
+            if cached:
+                kc.view(-1, self.head_dim).index_copy_(0, rows, k.reshape(-1, self.head_dim))
+                vc.view(-1, self.head_dim).index_copy_(0, rows, v.reshape(-1, self.head_dim))
+                k, v = kc[slots, :, :T], vc[slots, :, :T]
+            else:
+                kc[slots, :, :N] = k
+                vc[slots, :, :N] = v
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1NT, scale=self.scaling,
+                                                  enable_gqa=True)
+
+        x_BNM = self._layers(self.core.embed_tokens(ids_BN), pos_BN, attend)
+        return self._logits(x_BNM[torch.arange(B, device=self.device), lens_B - 1])
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
@@ -207,22 +258,15 @@ class BatchedForward:
         self.cache.ensure(T)
         ids_B1 = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
         pos_B1 = torch.tensor(positions, dtype=torch.long, device=self.device)[:, None]
-        rows = torch.arange(B, device=self.device)
         mask_B11T = (torch.arange(T, device=self.device)[None, :] <= pos_B1)[:, None, None, :]
-        pos_B = pos_B1[:, 0]
+        rows = self._slot_rows(torch.arange(B, device=self.device), pos_B1)
 
-        x_B1M = self.core.embed_tokens(ids_B1)
-        cos, sin = self.core.rotary_emb(x_B1M, pos_B1)
-        for i, layer in enumerate(self.layers):
-            def attend(h_B1M, i=i, layer=layer):
-                q, k, v = self._qkv(layer, h_B1M, pos_B1)
-                q, k = _rotate(q, k, cos, sin)
-                self.cache.k_LSHTD[i, rows, :, pos_B] = k[:, :, 0]
-                self.cache.v_LSHTD[i, rows, :, pos_B] = v[:, :, 0]
-                keys = self.cache.k_LSHTD[i, :B, :, :T]
-                values = self.cache.v_LSHTD[i, :B, :, :T]
-                o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask_B11T,
-                                                   scale=self.scaling, enable_gqa=True)
-                return o.transpose(1, 2).reshape(B, 1, -1)
-            x_B1M = self._block(layer, x_B1M, attend)
+        def attend(i, q, k, v):
+            kc, vc = self.cache.k_LSHTD[i], self.cache.v_LSHTD[i]
+            kc.view(-1, self.head_dim).index_copy_(0, rows, k.reshape(-1, self.head_dim))
+            vc.view(-1, self.head_dim).index_copy_(0, rows, v.reshape(-1, self.head_dim))
+            return F.scaled_dot_product_attention(q, kc[:B, :, :T], vc[:B, :, :T], attn_mask=mask_B11T,
+                                                  scale=self.scaling, enable_gqa=True)
+
+        x_B1M = self._layers(self.core.embed_tokens(ids_B1), pos_B1, attend)
         return self._logits(x_B1M[:, 0])

@@ -31,12 +31,29 @@ def make_generator(seed: int | None) -> torch.Generator:
 def sample_token(logits_V: torch.Tensor, temperature: float, top_p: float,
                  generator: torch.Generator) -> tuple[int, float]:
     """Return (token id, logprob as defined in the module docstring) for one row of fp32 logits."""
-    logits_V = logits_V.float().cpu()
-    if temperature <= 0:
-        logp_V = torch.log_softmax(logits_V, dim=-1)
-        token = int(torch.argmax(logits_V))
-        return token, float(logp_V[token])
-    logp_V = torch.log_softmax(logits_V / temperature, dim=-1)
+    return sample_rows(logits_V[None], [(temperature, top_p, generator)])[0]
+
+
+def sample_rows(logits_BV: torch.Tensor, params: list[tuple[float, float, torch.Generator]]
+                ) -> list[tuple[int, float]]:
+    """`sample_token` for every row b of `logits_BV` with `params[b] = (temperature, top_p, generator)`.
+
+    One log-softmax and one argmax for the whole batch; only sampled rows
+    (temperature > 0) draw, each from its own generator.
+    """
+    logits_BV = logits_BV.float().cpu()
+    temps = [t if t > 0 else 1.0 for t, _, _ in params]
+    scaled_BV = logits_BV if all(t == 1.0 for t in temps) else logits_BV / torch.tensor(temps)[:, None]
+    logp_BV = torch.log_softmax(scaled_BV, dim=-1)
+    tokens = logits_BV.argmax(dim=-1).tolist()
+    for b, (temperature, top_p, generator) in enumerate(params):
+        if temperature > 0:
+            tokens[b] = _draw(logp_BV[b], top_p, generator)
+    logps = logp_BV.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+    return list(zip(tokens, logps))
+
+
+def _draw(logp_V: torch.Tensor, top_p: float, generator: torch.Generator) -> int:
     probs_V = logp_V.exp()
     if top_p < 1.0:
         sorted_p, order = torch.sort(probs_V, descending=True)
@@ -45,5 +62,4 @@ def sample_token(logits_V: torch.Tensor, temperature: float, top_p: float,
         drop = (cumulative - sorted_p) >= top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs_V = torch.zeros_like(probs_V).scatter_(0, order, sorted_p)
-    token = int(torch.multinomial(probs_V, 1, generator=generator))
-    return token, float(logp_V[token])
+    return int(torch.multinomial(probs_V, 1, generator=generator))
