@@ -473,3 +473,16 @@ def test_cli_builds_in_sandboxes_and_the_tasks_grade(tmp_path: Path) -> None:
     assert task.metadata.source == "mutation"
     assert grade(task, task.gold_patch).reward == 1.0
     assert grade(task, "").reward == 0.0
+
+
+def test_task_test_command_puts_an_src_layout_on_the_path(tmp_path: Path) -> None:
+    """Grading runs the task's command with nothing else on the path: an
+    src/ layout must be importable through it, as it was while building."""
+    from atelier.tasks.mutation_tasks import task_test_command
+
+    (tmp_path / "src" / "pkg").mkdir(parents=True)
+    (tmp_path / "src" / "pkg" / "__init__.py").write_text("X = 1\n")
+    assert task_test_command(tmp_path).endswith("--rootdir=. -o pythonpath=src")
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    assert "pythonpath" not in task_test_command(flat)

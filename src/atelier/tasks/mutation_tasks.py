@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 from atelier.errors import AtelierError
 from atelier.sandbox.base import SandboxConfig
 from atelier.tasks.junit import JUnitError, parse_junit
-from atelier.tasks.pytest_ini import idle_plugin_args
+from atelier.tasks.pytest_ini import test_command as pytest_test_command
 from atelier.tasks.mutate import (
     Mutation,
     _count_changed_lines,
@@ -91,8 +91,7 @@ def sandbox_pytest_runner(backend: str = "bwrap", timeout: float = 300.0) -> Run
     """A `run_tests` that runs the repository's pytest suite in a fresh sandbox
     (no network, nothing of the host writable), with the same environment
     grading uses: a venv of this Python that sees its site-packages, and the
-    same plugins switched off as the tasks' test command
-    (`atelier.tasks.pytest_ini.idle_plugin_args`)."""
+    tasks' own test command (`task_test_command`)."""
     from atelier.sandbox import SandboxError, create_sandbox
     from atelier.sandbox.base import WORKDIR
     from atelier.tasks.envs import ensure_python_env, env_mounts, env_python
@@ -104,7 +103,7 @@ def sandbox_pytest_runner(backend: str = "bwrap", timeout: float = 300.0) -> Run
 
     def run(repo_dir: Path) -> dict[str, str]:
         report = "/tmp/atelier-mutate-junit.xml"
-        argv = [env_python(venv), "-m", "pytest", *idle_plugin_args(repo_dir), "-q", "-p", "no:cacheprovider",
+        argv = [env_python(venv), *shlex.split(task_test_command(repo_dir))[1:], "-q", "-p", "no:cacheprovider",
                 "-o", "junit_family=xunit1", "--continue-on-collection-errors", f"--junitxml={report}"]
         env = {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": f"{WORKDIR}:{WORKDIR}/src"}
         with create_sandbox(repo_dir, config) as sb:
@@ -124,6 +123,14 @@ def sandbox_pytest_runner(backend: str = "bwrap", timeout: float = 300.0) -> Run
         return statuses
 
     return run
+
+
+def task_test_command(repo_dir: Path) -> str:
+    """The pytest command of a repository's mutation tasks, also used to find
+    them: `atelier.tasks.pytest_ini.test_command` (an `src/` layout gets
+    `src` on pytest's pythonpath, so grading imports the mutated package
+    rather than nothing; idle environment plugins are off)."""
+    return pytest_test_command(Path(repo_dir), src_layout=(Path(repo_dir) / "src").is_dir())
 
 
 # --- building tasks ---------------------------------------------------------------
@@ -228,7 +235,7 @@ def _write_task(out: Path, work: Path, repo_name: str, files: dict[str, str], mu
         prompt=terse_prompt(muts, f2p),
         env=PythonEnv(python=f"{sys.version_info.major}.{sys.version_info.minor}",
                       system_site_packages=True),
-        test_command=shlex.join(["python", "-m", "pytest", *idle_plugin_args(work)]),
+        test_command=task_test_command(work),
         fail_to_pass=f2p,
         pass_to_pass=p2p,
         metadata=TaskMetadata(source="mutation", category=",".join(sorted({m.operator for m in muts})),
