@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --constraint constraints.txt
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-all bench system-deps clean
+.PHONY: demo test test-all bench experiment-cpt system-deps clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,10 @@ test-all: $(STAMP) system-deps
 
 bench: $(STAMP) system-deps
 	$(PY) benchmarks/sandbox.py
+
+# The report's CPT-loss-to-RL-reward finding at small scale (about 30 minutes on 2 cores).
+experiment-cpt: $(STAMP)
+	$(PY) experiments/cpt_scaling/run.py --out runs/cpt-scaling
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
