@@ -486,3 +486,23 @@ def test_task_test_command_puts_an_src_layout_on_the_path(tmp_path: Path) -> Non
     flat = tmp_path / "flat"
     flat.mkdir()
     assert "pythonpath" not in task_test_command(flat)
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_sandbox_runner_sees_what_grading_sees(tmp_path: Path) -> None:
+    """No PYTHONPATH while searching: a test whose subprocess imports the
+    package fails here as it fails at grading, so it is never PASS_TO_PASS
+    of a task that grading would then refuse."""
+    from atelier.tasks.mutation_tasks import sandbox_pytest_runner
+
+    repo = tmp_path / "cli"
+    (repo / "pkg").mkdir(parents=True)
+    (repo / "pkg" / "__init__.py").write_text("X = 1\n")
+    (repo / "tests").mkdir()
+    (repo / "tests" / "test_pkg.py").write_text(
+        "import subprocess, sys\n\nimport pkg\n\n\ndef test_import():\n    assert pkg.X == 1\n\n\n"
+        "def test_subprocess_import():\n"
+        "    subprocess.run([sys.executable, '-c', 'import pkg'], check=True, cwd='/')\n")
+    statuses = sandbox_pytest_runner(timeout=120)(repo)
+    assert statuses == {"tests/test_pkg.py::test_import": "passed",
+                        "tests/test_pkg.py::test_subprocess_import": "failed"}

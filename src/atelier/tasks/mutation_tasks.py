@@ -93,7 +93,6 @@ def sandbox_pytest_runner(backend: str = "bwrap", timeout: float = 300.0) -> Run
     grading uses: a venv of this Python that sees its site-packages, and the
     tasks' own test command (`task_test_command`)."""
     from atelier.sandbox import SandboxError, create_sandbox
-    from atelier.sandbox.base import WORKDIR
     from atelier.tasks.envs import ensure_python_env, env_mounts, env_python
     from atelier.tasks.schema import PythonEnv
 
@@ -105,7 +104,8 @@ def sandbox_pytest_runner(backend: str = "bwrap", timeout: float = 300.0) -> Run
         report = "/tmp/atelier-mutate-junit.xml"
         argv = [env_python(venv), *shlex.split(task_test_command(repo_dir))[1:], "-q", "-p", "no:cacheprovider",
                 "-o", "junit_family=xunit1", "--continue-on-collection-errors", f"--junitxml={report}"]
-        env = {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": f"{WORKDIR}:{WORKDIR}/src"}
+        env = {"PYTHONDONTWRITEBYTECODE": "1"}  # as grading runs it: no PYTHONPATH (a test that
+        # starts `python -m pkg` passes here only if it passes at grading)
         with create_sandbox(repo_dir, config) as sb:
             res = sb.exec(argv, timeout=timeout, env=env)
             if res.timed_out:
