@@ -52,3 +52,6 @@ def test_open_model_gives_a_local_engine(tiny_model_dir):
     with open_model(tiny_model_dir, max_batch=2) as engine:
         assert isinstance(engine, LocalEngine)
         assert engine.generate([1, 2, 3]).token_ids
+        assert engine.prefix_cache.enabled  # on by default, for every CLI path that opens a model
+    with open_model(tiny_model_dir, prefix_cache_tokens=0) as engine:
+        assert not engine.prefix_cache.enabled

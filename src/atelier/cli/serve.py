@@ -9,6 +9,8 @@ from typing import Optional
 
 import typer
 
+from atelier.inference.models import DEFAULT_PREFIX_CACHE_TOKENS
+
 
 def serve(
     model: str = typer.Option("smollm2-135m", "--model", "-m",
@@ -18,6 +20,9 @@ def serve(
     device: str = typer.Option("cpu", "--device", help="torch device: cpu, cuda, cuda:1 ..."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or auto (fp32 on CPU)."),
     max_batch: int = typer.Option(32, "--max-batch", help="Most sequences decoded together."),
+    prefix_cache_tokens: int = typer.Option(
+        DEFAULT_PREFIX_CACHE_TOKENS, "--prefix-cache-tokens", min=0,
+        help="Tokens of earlier prompts whose keys and values are kept for reuse (0: off)."),
 ) -> None:
     """Serve MODEL over HTTP: /v1/chat/completions (streaming), /v1/completions,
     /v1/models, /v1/generate (token ids), /v1/weights, /health.
@@ -32,7 +37,8 @@ def serve(
 
     from atelier.inference.server import create_app
 
-    with open_model(model, device=device, dtype=dtype, max_batch=max_batch) as engine:
+    with open_model(model, device=device, dtype=dtype, max_batch=max_batch,
+                    prefix_cache_tokens=prefix_cache_tokens) as engine:
         typer.echo(f"serving {engine.name} on http://{host}:{port}/v1", err=True)
         uvicorn.run(create_app(engine), host=host, port=port, log_level="warning")
 

@@ -17,7 +17,8 @@ The scheduler thread (continuous batching) repeats one *step*:
 Guarantees, which the tests check:
 
 - Requests join between decode steps, never mid-step: a request that arrives
-  while a step runs is prefilled at the start of the next one.
+  while a step runs is prefilled at the start of the next one (or of the one
+  after, when it waits for a shared prefix: see prefix caching below).
 - A weight update lands between steps. Tokens already generated keep the
   version that produced them, in-flight requests continue on the new weights
   (their KV cache, computed by the old weights, is kept: the PipelineRL
@@ -59,6 +60,7 @@ import torch
 
 from atelier.errors import AtelierError
 from atelier.inference.forward import BatchedForward
+from atelier.inference.models import DEFAULT_PREFIX_CACHE_TOKENS
 from atelier.inference.prefix_cache import PrefixCache
 from atelier.inference.sampling import make_generator, sample_rows
 from atelier.inference.types import Generation, SamplingParams
@@ -123,7 +125,7 @@ class LocalEngine:
 
     def __init__(self, model_path: str | Path, *, device: str = "cpu", dtype: str | torch.dtype | None = None,
                  max_batch: int = 32, max_seq_len: int | None = None, name: str | None = None,
-                 version: int = 0, prefix_cache_tokens: int = 16384) -> None:
+                 version: int = 0, prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = Path(model_path)

@@ -51,6 +51,9 @@ KNOWN_MODELS: dict[str, KnownModel] = {
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
+# The local engine's prefix-cache budget in tokens (see `atelier.inference.prefix_cache`); kept
+# here, in a module that imports nothing heavy, so CLI options and configs can default to it.
+DEFAULT_PREFIX_CACHE_TOKENS = 16384
 
 
 def atelier_cache_root() -> Path:

@@ -11,6 +11,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, model_validator
 
 from atelier.config import AtelierConfig
+from atelier.inference.models import DEFAULT_PREFIX_CACHE_TOKENS
 from atelier.rl.shaping import ShapingConfig
 
 
@@ -25,6 +26,8 @@ class RolloutConfig(AtelierConfig):
     """Most policy versions between the oldest token of a sample and the weights that train on it."""
     workers: int = Field(4, ge=1)
     """Rollouts running at once (threads in one process, or Ray actors)."""
+    prefix_cache_tokens: int = Field(DEFAULT_PREFIX_CACHE_TOKENS, ge=0)
+    """The local engine's prefix-cache budget: earlier turns' keys and values kept for reuse (0: off)."""
     max_tokens: int = Field(64, ge=1)
     """Tokens per model turn."""
     temperature: float = Field(1.0, gt=0)

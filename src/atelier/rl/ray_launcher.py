@@ -44,13 +44,14 @@ class RayLaunchError(AtelierError):
 
 @ray.remote(num_cpus=0, max_restarts=2)
 class InferenceActor:
-    def __init__(self, model_path: str, version: int, max_batch: int) -> None:
+    def __init__(self, model_path: str, version: int, max_batch: int, prefix_cache_tokens: int) -> None:
         import torch
 
         from atelier.inference.engine import LocalEngine
 
         torch.set_num_threads(1)
-        self.engine = LocalEngine(model_path, version=version, max_batch=max_batch)
+        self.engine = LocalEngine(model_path, version=version, max_batch=max_batch,
+                                  prefix_cache_tokens=prefix_cache_tokens)
         self.chain = None
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
@@ -118,7 +119,7 @@ class RayBackend:
         self.chain_root, self.reader = chain_root, reader
         self._version = version
         self.inference = InferenceActor.options(max_concurrency=workers + 4).remote(
-            str(model_path), version, max(8, workers))
+            str(model_path), version, max(8, workers), config.rollout.prefix_cache_tokens)
         n = max(1, min(actors, workers))
         per_actor = -(-workers // n)
         self.actors = [RolloutActor.options(max_concurrency=per_actor).remote(

@@ -98,7 +98,8 @@ def make_backend(config: TrainConfig, env, model_path: Path, version: int, reade
     from atelier.inference.engine import LocalEngine
     from atelier.rl.backends import LocalBackend
 
-    engine = LocalEngine(model_path, version=version, max_batch=max(8, config.rollout.workers))
+    engine = LocalEngine(model_path, version=version, max_batch=max(8, config.rollout.workers),
+                         prefix_cache_tokens=config.rollout.prefix_cache_tokens)
     return LocalBackend(env, engine, reader, config.rollout.workers)
 
 
