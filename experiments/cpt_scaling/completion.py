@@ -17,11 +17,14 @@ the RL trainer, not agent skill.
 
 `NextLineEnvironment` follows `atelier.rl.env.Environment` (tasks, category,
 rollout) exactly as `ToyEnvironment` does, and uses the same trajectory,
-shaping and `pass` conventions.
+shaping and `pass` conventions. `make_environment` is its factory for
+`env.kind = "python"` (`factory = ".../completion.py:make_environment"`,
+`args = {tasks_file = "rl_tasks.jsonl"}`).
 """
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -139,3 +142,10 @@ class NextLineEnvironment:
         traj.wall_s = time.perf_counter() - start
         traj.limits = {"max_tokens": params.max_tokens, "temperature": params.temperature}
         return traj
+
+
+def make_environment(rollout, shaping, seed: int, tasks_file: str) -> NextLineEnvironment:
+    """The `env.kind = "python"` factory: the tasks of a JSONL file written by `LineTask.to_json`."""
+    with open(tasks_file, encoding="utf-8") as f:
+        tasks = [LineTask(**json.loads(line)) for line in f if line.strip()]
+    return NextLineEnvironment(tasks, rollout, shaping)

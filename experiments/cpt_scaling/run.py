@@ -22,11 +22,9 @@ cpt_scaling.png there. Each stage is skipped when its run finished in an
 earlier call and resumed when it was cut off, so an interrupted experiment
 continues where it stopped.
 
-One seam is patched: `run_training` builds its environment with
-`atelier.rl.run.make_environment`, which knows the toy and task
-environments only; `_environment` swaps in `NextLineEnvironment` for the
-duration of the call (and writes it to the RL run's environment.json,
-since the run's config.toml still names the default env section).
+RL runs next-line completion through `env.kind = "python"`: the run's
+config.toml names `completion.py:make_environment` and the tasks file, so the
+RL run directory says exactly what ran.
 """
 
 from __future__ import annotations
@@ -37,13 +35,12 @@ import math
 import os
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from completion import LineTask, NextLineEnvironment, chat_record, line_tasks  # noqa: E402
+from completion import chat_record, line_tasks  # noqa: E402
 
 # The CPT mixture: this interpreter's standard library (each top-level module
 # or package is one repository) and a few pure-Python packages installed with atelier.
@@ -174,12 +171,13 @@ def prepare_data(out: Path, start: Path, args):
                          f"(--rl-steps x --groups-per-step): raise --heldout-fraction")
     sft_file = out / "sft.jsonl"
     sft_file.write_text("".join(json.dumps(chat_record(t)) + "\n" for t in sft))
-    (out / "rl_tasks.jsonl").write_text("".join(json.dumps(t.to_json()) + "\n" for t in rl))
+    rl_file = out / "rl_tasks.jsonl"
+    rl_file.write_text("".join(json.dumps(t.to_json()) + "\n" for t in rl))
     info = {"train_tokens": corpus.info["tokens"], "heldout_tokens": corpus.info["heldout_tokens"],
             "documents": corpus.info["documents"], "repos": corpus.info["repos"],
             "heldout_repos": sorted(Path(p).name for p in corpus.heldout_repos),
             "sft_examples": len(sft), "rl_tasks": len(rl)}
-    return data, info, sft_file, rl
+    return data, info, sft_file, rl_file
 
 
 def _rel_path(doc) -> str:
@@ -221,8 +219,9 @@ def run_sft(out: Path, model: str, sft_file: Path, args) -> dict[str, Any]:
             "model": str(out / "final")}
 
 
-def run_rl(out: Path, model: str, tasks: list[LineTask], args) -> dict[str, Any]:
-    from atelier.rl.config import CurriculumConfig, RolloutConfig, SyncConfig, TrainConfig, TrainerConfig
+def run_rl(out: Path, model: str, tasks_file: Path, args) -> dict[str, Any]:
+    from atelier.rl.config import (CurriculumConfig, EnvConfig, PythonEnvConfig, RolloutConfig, SyncConfig,
+                                   TrainConfig, TrainerConfig)
     from atelier.rl.run import run_training
     from atelier.rl.shaping import ShapingConfig
 
@@ -236,19 +235,17 @@ def run_rl(out: Path, model: str, tasks: list[LineTask], args) -> dict[str, Any]
         trainer=TrainerConfig(steps=args.rl_steps, lr=args.rl_lr, norm_tokens=256, micro_batch=16,
                               checkpoint_every=max(1, args.rl_steps), threads=args.threads),
         sync=SyncConfig(kind="inprocess"), curriculum=CurriculumConfig(enabled=False),
+        env=EnvConfig(kind="python", python=PythonEnvConfig(
+            factory=f"{Path(__file__).resolve().with_name('completion.py')}:make_environment",
+            args={"tasks_file": str(Path(tasks_file).resolve())})),
         # Reward = correctness only: no length or tool-call shaping in a single-line task.
         shaping=ShapingConfig(length_coef=0.0, broken_call_penalty=0.0, unfinished_todo_penalty=0.0))
     summary_path = out / "summary.json"
     if not summary_path.exists():
         resume = (out / "config.toml").exists()
-        env = NextLineEnvironment(tasks, config.rollout, config.shaping)
-        with _environment(env):
-            run_training(config, out, resume=resume, on_step=lambda r: print(
-                f"    rl step {r['step']:>3}  reward {r['reward_mean']:.3f}  pass {r['pass_rate']:.2f}",
-                flush=True))
-        (out / "environment.json").write_text(json.dumps(
-            {"environment": "NextLineEnvironment (experiments/cpt_scaling/completion.py)",
-             "tasks": len(tasks), "note": "replaces the [env] section of config.toml"}, indent=1) + "\n")
+        run_training(config, out, resume=resume, on_step=lambda r: print(
+            f"    rl step {r['step']:>3}  reward {r['reward_mean']:.3f}  pass {r['pass_rate']:.2f}",
+            flush=True))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rewards = [r["reward_mean"] for r in rows]
     final, stderr = final_reward(rewards, args.last_k)
@@ -257,16 +254,6 @@ def run_rl(out: Path, model: str, tasks: list[LineTask], args) -> dict[str, Any]
             "reward_final_stderr": stderr, "pass_final": mean([r["pass_rate"] for r in rows][-args.last_k:])}
 
 
-@contextmanager
-def _environment(env):
-    import atelier.rl.run as rl_run
-
-    original = rl_run.make_environment
-    rl_run.make_environment = lambda *args, **kwargs: env
-    try:
-        yield
-    finally:
-        rl_run.make_environment = original
 
 
 def _pretrain(config, out: Path, quiet: bool) -> dict[str, Any]:
@@ -293,7 +280,7 @@ def run_experiment(args) -> dict[str, Any]:
     started = time.perf_counter()
     earlier = _earlier_arms(out)
     start = build_start(out, args)
-    data, data_info, sft_file, rl_tasks = prepare_data(out, start, args)
+    data, data_info, sft_file, rl_file = prepare_data(out, start, args)
     prep_s = time.perf_counter() - started
     _say(f"data: {data_info}")
     arms = []
@@ -307,7 +294,7 @@ def run_experiment(args) -> dict[str, Any]:
                             lambda: run_sft(out / f"sft-{m}x", str(out / arm["cpt"]["model"]), sft_file, args))
         _say(f"{m}x SFT: loss {arm['sft']['loss_first']:.3f} -> {arm['sft']['loss_last']:.3f}")
         arm["rl"] = _timed(out / f"rl-{m}x", before.get("rl"),
-                           lambda: run_rl(out / f"rl-{m}x", str(out / arm["sft"]["model"]), rl_tasks, args))
+                           lambda: run_rl(out / f"rl-{m}x", str(out / arm["sft"]["model"]), rl_file, args))
         _say(f"{m}x RL: reward {arm['rl']['reward_first']:.3f} (first step) -> "
              f"{arm['rl']['reward_final']:.3f} (last {args.last_k} steps)")
         arms.append(arm)

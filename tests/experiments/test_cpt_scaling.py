@@ -114,7 +114,8 @@ def test_smoke_experiment_end_to_end(tmp_path) -> None:
         assert rl["steps"] == saved["setup"]["rl_steps"] == len(rl["reward_curve"])
         assert all(0.0 <= r <= 1.0 for r in rl["reward_curve"])
         assert 0.0 <= rl["reward_final"] <= 1.0
-        # The RL run trained on the next-line tasks (not the config's default toy env).
+        # The RL run trained on the next-line tasks, named by its config as an [env.python] factory.
+        assert 'completion.py:make_environment' in (out / f"rl-{m}x" / "config.toml").read_text()
         rollouts = list((out / f"rl-{m}x" / "rollouts").glob("*.json"))
         assert rollouts and {json.loads(p.read_text())["task_id"] for p in rollouts} <= rl_ids
     png = out / "cpt_scaling.png"

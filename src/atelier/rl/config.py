@@ -6,6 +6,7 @@ is documented where it is declared. Recipes live in `recipes/rl-*.toml`.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal, Optional
 
 from pydantic import Field, model_validator
@@ -99,15 +100,38 @@ class TasksEnvConfig(AtelierConfig):
     max_tokens and seed come from [rollout] (the trainer must know them)."""
 
 
-class EnvConfig(AtelierConfig):
-    kind: Literal["toy", "tasks"] = "toy"
-    toy: ToyEnvConfig = Field(default_factory=ToyEnvConfig)
-    tasks: TasksEnvConfig | None = None
+class PythonEnvConfig(AtelierConfig):
+    """An environment of your own: `factory(rollout=, shaping=, seed=, **args)` returns an
+    `atelier.rl.env.Environment`. Named in the config, so the run directory's config.toml
+    says what ran and Ray actors build the same environment."""
+
+    factory: str
+    """'package.module:callable' or 'path/to/file.py:callable' (a relative path is taken from the
+    working directory at load time and stored absolute, so resumes and Ray workers find it)."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments passed to the factory (plain TOML values: paths, numbers, strings)."""
 
     @model_validator(mode="after")
-    def _tasks_need_a_suite(self) -> "EnvConfig":
+    def _absolute_file(self) -> "PythonEnvConfig":
+        target, sep, name = self.factory.rpartition(":")
+        if sep and target.endswith(".py"):
+            self.factory = f"{Path(target).resolve()}:{name}"
+        return self
+
+
+class EnvConfig(AtelierConfig):
+    kind: Literal["toy", "tasks", "python"] = "toy"
+    toy: ToyEnvConfig = Field(default_factory=ToyEnvConfig)
+    tasks: TasksEnvConfig | None = None
+    python: PythonEnvConfig | None = None
+
+    @model_validator(mode="after")
+    def _kind_needs_its_section(self) -> "EnvConfig":
         if self.kind == "tasks" and self.tasks is None:
             raise ValueError("env.kind = 'tasks' needs an [env.tasks] section with suite = '...'")
+        if self.kind == "python" and self.python is None:
+            raise ValueError("env.kind = 'python' needs an [env.python] section with "
+                             "factory = 'module:callable' (or 'file.py:callable')")
         return self
 
 

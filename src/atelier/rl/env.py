@@ -13,15 +13,24 @@ Two environments:
   trainer, reconciler and engine as real tasks.
 - `TaskEnvironment` (`atelier.rl.task_env`): real tasks through the agent
   harness, sandboxes and the grader.
+
+Any other environment comes in through `env.kind = "python"`: a factory named
+by import path or file path (`load_factory`), called with the rollout and
+shaping configs, the seed and the `[env.python] args`.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import random
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
 
+from atelier.errors import AtelierError
 from atelier.harness.trajectory import Segment, Trajectory
 from atelier.inference.types import SamplingParams, TokenModel
 from atelier.rl.config import EnvConfig, RolloutConfig, ToyEnvConfig
@@ -103,9 +112,51 @@ class ToyEnvironment:
         return traj
 
 
+class EnvironmentFactoryError(AtelierError):
+    """`[env.python] factory` cannot be imported, or what it built is not an environment."""
+
+
+def load_factory(spec: str) -> Callable[..., Any]:
+    """The callable named by 'package.module:name' or 'path/to/file.py:name'."""
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise EnvironmentFactoryError(f"env.python.factory = {spec!r} names no callable",
+                                      hint="write 'package.module:make_env' or 'path/to/file.py:make_env'")
+    try:
+        if target.endswith(".py"):
+            path = Path(target).resolve()
+            if not path.is_file():
+                raise FileNotFoundError(f"no file {path}")
+            module_name = f"atelier_env_{path.stem}"
+            module_spec = importlib.util.spec_from_file_location(module_name, path)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[module_name] = module   # so its classes pickle (Ray actors, process pools)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+    except Exception as exc:  # any import failure is the factory's, and the user's to fix
+        raise EnvironmentFactoryError(f"cannot import {target!r} for env.python.factory: "
+                                      f"{type(exc).__name__}: {exc}",
+                                      hint="check the path (relative to the working directory) or that "
+                                           "the module is importable (pip install it or set PYTHONPATH)") from exc
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise EnvironmentFactoryError(f"{target!r} has no callable {name!r}",
+                                      hint=f"define def {name}(rollout, shaping, seed, **args) returning an environment")
+    return factory
+
+
 def make_environment(env: EnvConfig, rollout: RolloutConfig, shaping: ShapingConfig, seed: int):
     if env.kind == "toy":
         return ToyEnvironment(env.toy, rollout, shaping, seed)
+    if env.kind == "python":
+        built = load_factory(env.python.factory)(rollout=rollout, shaping=shaping, seed=seed, **env.python.args)
+        missing = [m for m in ("tasks", "category", "rollout") if not callable(getattr(built, m, None))]
+        if missing:
+            raise EnvironmentFactoryError(
+                f"{env.python.factory} returned {type(built).__name__}, which lacks {', '.join(missing)}",
+                hint="return an object with tasks(), category(task) and rollout(task, model, seed)")
+        return built
     from atelier.rl.task_env import TaskEnvironment
 
     return TaskEnvironment(env.tasks, rollout, shaping)
