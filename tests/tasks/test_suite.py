@@ -173,6 +173,16 @@ def test_committed_spec_is_pinned_pypi_with_splits() -> None:
         "every committed release entry records what its validation measured"
 
 
+def test_committed_spec_meets_the_benchmark_targets() -> None:
+    """atelier-bench v0: at least 40 release diffs from at least 10 packages
+    (test split) and at least 200 mutation tasks (train split)."""
+    spec = resolve_spec("atelier-bench").spec
+    assert len(spec.release) >= 40, len(spec.release)
+    packages = {r.package.lower().replace("_", "-") for r in spec.release}
+    assert len(packages) >= 10, sorted(packages)
+    assert sum(m.count for m in spec.mutation) >= 200, [(m.package, m.count) for m in spec.mutation]
+
+
 # --- building ----------------------------------------------------------------------
 @pytest.mark.usefixtures("bwrap_ready")
 def test_build_resume_drops_and_splits(spec_file: Path, tmp_path: Path, env_cache: Path,
