@@ -10,7 +10,9 @@ honest grading.
 - `validate`, `stats`: gold passes three times and the empty patch fails;
   prompt and patch sizes beside the reference benchmark's.
 - Builders: `release` (+ `changelog`) for consecutive releases of a package;
-  `mutate` (operators, pure) and `mutation_tasks` (running and writing).
+  `mutate` (operators, pure) and `mutation_tasks` (running and writing);
+  `pytest_ini`, the test command both give their tasks (project pythonpath,
+  addopts without coverage/xdist, idle environment plugins off).
 - Importers: `swebench`, `harbor`.
 - Suites: `suite` (committed specs under `suites/`: packages, versions,
   test selections, splits) and `suite_build` (`build_suite`: fetch, build,
