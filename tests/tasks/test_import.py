@@ -233,3 +233,83 @@ def test_import_harbor_tasks(tmp_path: Path, env_cache: Path, bwrap_ready, capsy
         cli.main(["tasks", "import", "harbor", str(src / "needs-image"), "--out", str(out)])
     assert info.value.code == 0
     assert "NEEDS DOCKER needs-image: environment/Dockerfile line 2: RUN" in capsys.readouterr().out
+
+
+# --- SWE-bench environments -----------------------------------------------------
+def test_declared_requirements_from_the_repository_files(tmp_path: Path) -> None:
+    from atelier.tasks.declared_deps import declared_requirements
+
+    (tmp_path / "pyproject.toml").write_text(
+        '[project]\nname = "calc"\ndependencies = ["attrs>=20", "tomli; python_version < \'3.11\'"]\n'
+        '[project.optional-dependencies]\ntest = ["hypothesis"]\ndocs = ["sphinx"]\n')
+    (tmp_path / "requirements-test.txt").write_text(
+        "# pins\npytest-mock==3.12  # comment\n-r requirements.txt\n-e .\nhttps://x/y.whl\n")
+    got = declared_requirements(tmp_path)
+    assert got.name == "calc" and got.sources == ["pyproject.toml", "requirements-test.txt"]
+    assert got.requirements == ["attrs>=20", "tomli; python_version < '3.11'", "hypothesis", "pytest-mock==3.12"]
+    assert got.skipped == ["requirements-test.txt: -r requirements.txt", "requirements-test.txt: -e .",
+                           "requirements-test.txt: https://x/y.whl"]
+
+    cfg_only = tmp_path / "cfg"
+    cfg_only.mkdir()
+    (cfg_only / "setup.cfg").write_text("[metadata]\nname = calc\n[options]\ninstall_requires =\n"
+                                        "    six\n    attrs  # why\n[options.extras_require]\ntesting = pytest-cov\n")
+    got = declared_requirements(cfg_only)
+    assert got.requirements == ["six", "attrs", "pytest-cov"] and got.sources == ["setup.cfg"]
+
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / "setup.py").write_text("from setuptools import setup\nsetup(install_requires=['six'])\n")
+    got = declared_requirements(legacy)
+    assert got.setup_py_only and got.requirements == []
+
+
+def test_swebench_environment_from_declared_needs_or_the_env_spec(tmp_path: Path, h) -> None:
+    from atelier.tasks.swebench import instance_env, load_env_specs
+
+    inst = parse_instance(raw_instance(h)[0])
+    base = tmp_path / "base"
+    (base / "src" / "calc").mkdir(parents=True)
+    (base / "pyproject.toml").write_text(
+        '[project]\nname = "calc"\ndependencies = ["attrs>=20", "calc-plugins", "tomli; python_version < \'3.0\'"]\n'
+        '[tool.pytest.ini_options]\npythonpath = ["tests"]\n')
+    env, note = instance_env(inst, base, {})
+    assert env.requirements == ["attrs>=20", "calc-plugins"]     # marker false for this Python: dropped
+    assert note == "env: declared in pyproject.toml"
+
+    spec_file = tmp_path / "envs.toml"
+    spec_file.write_text('["acme/calc@1.0"]\nrequirements = ["attrs==23.1.0"]\n'
+                         '["acme/calc"]\nrequirements = ["attrs"]\npython = "3.11"\n')
+    specs = load_env_specs(spec_file)
+    env, note = instance_env(inst, base, specs)
+    assert env.requirements == ["attrs==23.1.0"] and note == "env: --env-spec [acme/calc@1.0]"
+    other = parse_instance(raw_instance(h, version="2.0")[0])
+    assert instance_env(other, base, specs)[0].requirements == ["attrs"]   # the repository-wide entry
+
+    spec_file.write_text('["acme/calc"]\nrequirement = ["attrs"]\n')
+    with pytest.raises(TaskError, match=r"\['acme/calc'\] requirements: Field required"):
+        load_env_specs(spec_file)
+    spec_file.write_text("not toml [")
+    with pytest.raises(TaskError, match="cannot read the env spec"):
+        load_env_specs(spec_file)
+
+
+def test_swebench_import_keeps_an_src_layout_importable(tmp_path: Path, h) -> None:
+    """The task's test command puts src/ on the path, keeping the project's own pythonpath."""
+    repos = tmp_path / "repos"
+    inst, old_test = raw_instance(h)
+    mirror = repos / "acme__calc"
+    for rel, text in {**h.REPO, "tests/test_calc.py": old_test}.items():
+        (mirror / "src" / rel if rel.startswith("calc/") else mirror / rel).parent.mkdir(parents=True, exist_ok=True)
+        (mirror / "src" / rel if rel.startswith("calc/") else mirror / rel).write_text(text)
+    (mirror / "pyproject.toml").write_text('[project]\nname = "calc"\ndependencies = []\n'
+                                           '[tool.pytest.ini_options]\npythonpath = ["tests"]\n')
+    git(mirror, "init", "-q")
+    git(mirror, "add", "-A")
+    git(mirror, "commit", "-qm", "base")
+    inst["base_commit"] = git(mirror, "rev-parse", "HEAD")
+    inst["patch"] = inst["patch"].replace("a/calc/", "a/src/calc/").replace("b/calc/", "b/src/calc/")
+    task = import_instance(parse_instance(inst), repos, tmp_path / "out")
+    assert "pythonpath=tests src" in task.test_command or "pythonpath='tests src'" in task.test_command, \
+        task.test_command
+    assert task.env.requirements == [] and "declared in pyproject.toml" in task.metadata.category

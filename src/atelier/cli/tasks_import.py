@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import typer
 
@@ -36,6 +37,7 @@ def swebench_cmd(
     instances: Path = typer.Argument(..., help="SWE-bench instances: a JSON list or JSONL."),
     repos: Path = typer.Option(..., "--repos", help="Mirror dir: REPOS/<owner>__<name> or REPOS/<owner>/<name> git clones."),
     out: Path = typer.Option(..., "--out", help="Suite directory; one task directory per instance."),
+    env_spec: Optional[Path] = typer.Option(None, "--env-spec", help='TOML: ["owner/repo@version"] requirements = [...] (python = "3.x"); default: what the repository declares.'),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace tasks that already exist."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object only."),
 ) -> None:
@@ -43,7 +45,7 @@ def swebench_cmd(
     Example: atelier tasks import swebench lite.jsonl --repos ~/mirrors --out suites/swe"""
     from atelier.tasks.swebench import import_file
 
-    _report(import_file(instances, repos, out, overwrite=overwrite), out, as_json)
+    _report(import_file(instances, repos, out, overwrite=overwrite, env_spec=env_spec), out, as_json)
 
 
 @import_app.command("harbor")

@@ -23,14 +23,20 @@ Limits, said plainly:
   importable: Django (`test_x (module.Class)`) and SymPy (`test_x`) use
   their own runners and are refused with that reason. Non-Python
   repositories are refused too.
-- TODO(envs): the environment is the host interpreter with system
-  site-packages and no requirements (`PythonEnv(python=<host 3.x>,
-  requirements=[], system_site_packages=True)`), recorded in the task's
-  category. Real SWE-bench instances need per-repository, per-version
-  requirements and install steps (the harness's `MAP_REPO_VERSION_TO_SPECS`,
-  keyed by `repo` and `version`, and often a `pip install -e .` of the
-  snapshot); until that table is ported, most imported instances will fail
-  `atelier tasks validate` for missing dependencies. Validate before use.
+- The environment: SWE-bench's own per-repository, per-version install
+  specs are a table this importer does not ship. Pass yours as
+  `--env-spec FILE` (TOML: `["owner/repo@version"]` or `["owner/repo"]`
+  tables with `requirements = [...]` and optionally `python = "3.x"`).
+  Without an entry, the requirements are what the snapshot declares
+  (`atelier.tasks.declared_deps`: pyproject.toml, setup.cfg, requirements
+  files; `setup.py` is never run), installed outside the sandbox into the
+  cached venv as for every task; the task's category says which it was.
+  A repository that declares its needs only in `setup.py` gets no
+  requirements and a category that says so: give it an `--env-spec`
+  entry. The test command is the repository's own pytest settings with an
+  `src/` layout put on the path (`atelier.tasks.pytest_ini`). Validate
+  before use: an instance whose tests cannot run here is dropped by
+  `atelier tasks validate`, not graded as a failure.
 """
 
 from __future__ import annotations
@@ -40,15 +46,71 @@ import json
 import subprocess
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from atelier.tasks import pytest_ini
+from atelier.tasks.declared_deps import declared_requirements
 from atelier.tasks.schema import PythonEnv, Task, TaskError, TaskMetadata, TaskSpec
 from atelier.tasks.stats import patch_stats
 
 REQUIRED = ("instance_id", "repo", "base_commit", "patch", "test_patch", "problem_statement",
             "FAIL_TO_PASS", "PASS_TO_PASS")
-ENV_NOTE = "env: host python, per-repo requirements not installed"
+HOST_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+class EnvSpec(BaseModel):
+    """One `--env-spec` entry: what an instance's tests need installed."""
+
+    model_config = ConfigDict(extra="forbid")
+    requirements: list[str]
+    python: str = HOST_PYTHON
+
+
+def load_env_specs(path: str | Path | None) -> dict[str, EnvSpec]:
+    """`{"owner/repo@version" or "owner/repo": EnvSpec}` from a TOML file; {} for None."""
+    if path is None:
+        return {}
+    try:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise TaskError(f"cannot read the env spec {path}: {exc}",
+                        hint='write TOML tables like ["owner/repo@1.2"] with requirements = ["pkg==1.0"]') from None
+    specs = {}
+    for key, value in data.items():
+        try:
+            specs[key] = EnvSpec.model_validate(value)
+        except ValidationError as exc:
+            problem = exc.errors()[0]
+            where = ".".join(str(p) for p in problem["loc"]) or "entry"
+            raise TaskError(f"env spec {path}, [{key!r}] {where}: {problem['msg']}",
+                            hint="each entry has requirements = [...] and optionally python = \"3.x\"") from None
+    return specs
+
+
+def instance_env(inst: "Instance", base: Path, specs: dict[str, EnvSpec]) -> tuple[PythonEnv, str]:
+    """The instance's environment and a note on where it came from: its
+    `--env-spec` entry, else what the snapshot at `base` declares."""
+    from atelier.tasks.release import runtime_requirements
+
+    for key in (f"{inst.repo}@{inst.version}", inst.repo):
+        if key in specs:
+            spec = specs[key]
+            return (PythonEnv(python=spec.python, requirements=spec.requirements, system_site_packages=True),
+                    f"env: --env-spec [{key}]")
+    declared = declared_requirements(base)
+    own_name = declared.name or inst.repo.partition("/")[2]
+    requirements = runtime_requirements(declared.requirements, python=HOST_PYTHON, exclude=own_name)
+    if declared.sources:
+        note = f"env: declared in {', '.join(declared.sources)}"
+    elif declared.setup_py_only:
+        note = "env: setup.py only (not run), nothing installed; add an --env-spec entry"
+    else:
+        note = "env: nothing declared"
+    return PythonEnv(python=HOST_PYTHON, requirements=requirements, system_site_packages=True), note
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +208,7 @@ def _git(mirror: Path, *args: str, **kw: Any) -> subprocess.CompletedProcess:
 
 
 def import_instance(inst: Instance, repos_dir: str | Path, out_dir: str | Path,
-                    *, overwrite: bool = False) -> Task:
+                    *, overwrite: bool = False, env_specs: dict[str, EnvSpec] | None = None) -> Task:
     """Write `inst` as the task `out_dir/<instance_id>` and return it loaded."""
     from atelier.tasks.writer import write_task
 
@@ -169,20 +231,20 @@ def import_instance(inst: Instance, repos_dir: str | Path, out_dir: str | Path,
                             hint=f"check the mirror {mirror}")
         subprocess.run(["tar", "-x", "-C", str(base)], input=archive.stdout, check=True)
         hidden = _tests_after_patch(inst, base, scratch)
+        env, env_note = instance_env(inst, base, env_specs or {})
         spec = TaskSpec(
-            id=iid, prompt=inst.problem_statement,
-            env=PythonEnv(python=f"{sys.version_info.major}.{sys.version_info.minor}",
-                          requirements=[], system_site_packages=True),
+            id=iid, prompt=inst.problem_statement, env=env,
             fail_to_pass=inst.fail_to_pass,
             pass_to_pass=[t for t in inst.pass_to_pass if t not in inst.fail_to_pass],
-            metadata=_metadata(inst))
+            test_command=pytest_ini.test_command(base, src_layout=(base / "src").is_dir()),
+            metadata=_metadata(inst, env_note))
         return write_task(Path(out_dir) / iid, spec, base, hidden, inst.patch, overwrite=overwrite)
 
 
-def _metadata(inst: Instance) -> TaskMetadata:
+def _metadata(inst: Instance, env_note: str) -> TaskMetadata:
     s = patch_stats(inst.patch)
     where = f"{inst.repo}@{inst.version}" if inst.version else inst.repo
-    return TaskMetadata(source="swe-bench", category=f"{where} ({ENV_NOTE})",
+    return TaskMetadata(source="swe-bench", category=f"{where} ({env_note})",
                         files_changed=s.files, lines_changed=s.lines)
 
 
@@ -206,7 +268,7 @@ def _tests_after_patch(inst: Instance, base: Path, scratch: Path) -> dict[str, b
 
 
 def import_file(path: str | Path, repos_dir: str | Path, out_dir: str | Path,
-                *, overwrite: bool = False) -> dict:
+                *, overwrite: bool = False, env_spec: str | Path | None = None) -> dict:
     """Import every instance of `path`; one that fails is reported with its
     reason and the rest go on. `{"imported": [ids], "failed": [{"id", "reason"}]}`."""
     try:
@@ -214,11 +276,12 @@ def import_file(path: str | Path, repos_dir: str | Path, out_dir: str | Path,
     except (OSError, UnicodeDecodeError) as exc:
         raise TaskError(f"cannot read instances file {path}: {exc}",
                         hint="pass a JSON list or JSONL of SWE-bench instances") from None
+    specs = load_env_specs(env_spec)
     report: dict = {"imported": [], "failed": []}
     for raw in read_instances(text):
         iid = raw.get("instance_id", "?") if isinstance(raw, dict) else "?"
         try:
-            task = import_instance(parse_instance(raw), repos_dir, out_dir, overwrite=overwrite)
+            task = import_instance(parse_instance(raw), repos_dir, out_dir, overwrite=overwrite, env_specs=specs)
         except TaskError as exc:
             report["failed"].append({"id": iid, "reason": str(exc)})
             continue
