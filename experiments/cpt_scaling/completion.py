@@ -114,34 +114,21 @@ class NextLineEnvironment:
         return f"indent-{min(task.metadata.get('indent', 0) // 4, 3)}"
 
     def rollout(self, task: LineTask, model, seed: int):
-        from atelier.harness.trajectory import Segment, Trajectory
         from atelier.inference.types import SamplingParams
-        from atelier.rl.shaping import shape_trajectory
+        from atelier.rl.env import chat_prompt_ids, single_turn_trajectory
 
         start = time.perf_counter()
         tok = model.tokenizer
-        chat = tok.apply_chat_template([{"role": "user", "content": task.prompt}],
-                                       add_generation_prompt=True, tokenize=False)
-        prompt_ids = list(tok.encode(chat, add_special_tokens=False))
+        prompt_ids = chat_prompt_ids(tok, task.prompt)
         # One line is the whole answer: stop at the end of the turn or of the line.
         params = SamplingParams(max_tokens=self.rollout_cfg.max_tokens,
                                 temperature=self.rollout_cfg.temperature, seed=seed, stop=("\n",))
         gen = model.generate(prompt_ids, params)
         text = tok.decode(gen.token_ids, skip_special_tokens=True)  # without the end-of-turn token
-        score = line_reward(text, task.target)
-        seg = Segment()
-        seg.extend_prompt(prompt_ids)
-        seg.extend_sampled(gen.token_ids, gen.logprobs, gen.versions)
-        traj = Trajectory(task_id=task.id, model=getattr(model, "name", ""), segments=[seg], turns=1,
-                          tokens={"prompt": len(prompt_ids), "final_message": len(gen.token_ids)},
-                          exit_reason="submitted", messages=[
-                              {"role": "user", "content": task.prompt},
-                              {"role": "assistant", "content": text}])
-        shape_trajectory(traj, score, self.shaping)
-        traj.reward_parts["pass"] = float(first_line(text) == task.target.rstrip())
-        traj.wall_s = time.perf_counter() - start
-        traj.limits = {"max_tokens": params.max_tokens, "temperature": params.temperature}
-        return traj
+        return single_turn_trajectory(task.id, task.prompt, model, prompt_ids, gen, text, params,
+                                      correctness=line_reward(text, task.target),
+                                      passed=first_line(text) == task.target.rstrip(),
+                                      shaping=self.shaping, started=start)
 
 
 def make_environment(rollout, shaping, seed: int, tasks_file: str) -> NextLineEnvironment:

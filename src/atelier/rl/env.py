@@ -85,9 +85,7 @@ class ToyEnvironment:
     def rollout(self, task: ToyTask, model: TokenModel, seed: int) -> Trajectory:
         start = time.perf_counter()
         tok = model.tokenizer
-        text = tok.apply_chat_template([{"role": "user", "content": task.prompt}],
-                                       add_generation_prompt=True, tokenize=False)
-        prompt_ids = list(tok.encode(text, add_special_tokens=False))
+        prompt_ids = chat_prompt_ids(tok, task.prompt)
         params = SamplingParams(max_tokens=self.rollout_cfg.max_tokens,
                                 temperature=self.rollout_cfg.temperature, seed=seed)
         gen = model.generate(prompt_ids, params)
@@ -97,19 +95,36 @@ class ToyEnvironment:
         threshold = int(self.cfg.target_fraction * len(tok))
         hits = sum(1 for t in gen.token_ids if t < threshold)
         correctness = hits / max(1, len(gen.token_ids))
-        seg = Segment()
-        seg.extend_prompt(prompt_ids)
-        seg.extend_sampled(gen.token_ids, gen.logprobs, gen.versions)
-        traj = Trajectory(task_id=task.id, model=getattr(model, "name", ""), segments=[seg], turns=1,
-                          tokens={"prompt": len(prompt_ids), "final_message": len(gen.token_ids)},
-                          exit_reason="submitted", messages=[
-                              {"role": "user", "content": task.prompt},
-                              {"role": "assistant", "content": gen.text}])
-        shape_trajectory(traj, correctness, self.shaping)
-        traj.reward_parts["pass"] = float(correctness >= 0.5)
-        traj.wall_s = time.perf_counter() - start
-        traj.limits = {"max_tokens": params.max_tokens, "temperature": params.temperature}
-        return traj
+        return single_turn_trajectory(task.id, task.prompt, model, prompt_ids, gen, gen.text, params,
+                                      correctness=correctness, passed=correctness >= 0.5,
+                                      shaping=self.shaping, started=start)
+
+
+def chat_prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
+    """The token ids of one user message in the model's chat template, ready for the reply."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                         add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def single_turn_trajectory(task_id: str, prompt: str, model: TokenModel, prompt_ids: list[int], gen: Any,
+                           reply: str, params: SamplingParams, *, correctness: float, passed: bool,
+                           shaping: ShapingConfig, started: float) -> Trajectory:
+    """The trajectory of a one-turn, tool-free episode, shaped and scored: one
+    segment (prompt, then the sampled tokens with their logprobs and versions)."""
+    seg = Segment()
+    seg.extend_prompt(prompt_ids)
+    seg.extend_sampled(gen.token_ids, gen.logprobs, gen.versions)
+    traj = Trajectory(task_id=task_id, model=getattr(model, "name", ""), segments=[seg], turns=1,
+                      tokens={"prompt": len(prompt_ids), "final_message": len(gen.token_ids)},
+                      exit_reason="submitted", messages=[
+                          {"role": "user", "content": prompt},
+                          {"role": "assistant", "content": reply}])
+    shape_trajectory(traj, correctness, shaping)
+    traj.reward_parts["pass"] = float(passed)
+    traj.wall_s = time.perf_counter() - started
+    traj.limits = {"max_tokens": params.max_tokens, "temperature": params.temperature}
+    return traj
 
 
 class EnvironmentFactoryError(AtelierError):
