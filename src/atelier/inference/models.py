@@ -106,6 +106,22 @@ def resolve_model(spec: str | Path) -> Path:
                         hint=_pull_hint())
 
 
+TINY = "tiny"
+"""The model spec that builds a tiny random model (tests, smoke runs) instead of resolving one."""
+
+
+def resolve_or_build_tiny(spec: str | Path, run_dir: Path, *, seed: int = 0) -> Path:
+    """`resolve_model(spec)`, except that `tiny` builds a tiny random model once
+    into `run_dir/base-model` (and reuses it on resume). The one place a run
+    (`atelier train`, `atelier run`) turns its `model` field into a directory."""
+    if str(spec) != TINY:
+        return resolve_model(spec)
+    from atelier.inference.tiny import build_tiny_model
+
+    target = run_dir / "base-model"
+    return target if is_model_dir(target) else build_tiny_model(target, seed=seed)
+
+
 def _hub_cache_lookup(repo_id: str) -> Path | None:
     try:
         from huggingface_hub import snapshot_download

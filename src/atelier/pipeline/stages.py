@@ -117,17 +117,11 @@ class _Context:
 
     # --- model -----------------------------------------------------------------
     def stage_model(self) -> dict[str, Any]:
-        from atelier.inference.models import KNOWN_MODELS, ModelNotFound, resolve_model
+        from atelier.inference.models import KNOWN_MODELS, ModelNotFound, resolve_or_build_tiny
 
         name = self.config.model.name
-        if name == "tiny":
-            from atelier.inference.tiny import build_tiny_model
-
-            target = self.run_dir / "base-model"
-            path = target if (target / "config.json").is_file() else build_tiny_model(target, seed=self.config.seed)
-            return {"path": str(path)}
         try:
-            return {"path": str(resolve_model(name))}
+            return {"path": str(resolve_or_build_tiny(name, self.run_dir, seed=self.config.seed))}
         except ModelNotFound:
             if name not in KNOWN_MODELS:
                 raise

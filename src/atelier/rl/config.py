@@ -55,7 +55,8 @@ class TrainerConfig(AtelierConfig):
     """Stop after this many steps (0: when the tasks run out; single epoch either way)."""
     checkpoint_every: int = Field(1, ge=1)
     threads: int = Field(1, ge=1)
-    """torch CPU threads for the trainer."""
+    """torch CPU threads of the run (process-wide: the engine shares them in the one-process
+    launcher); `run_training` sets them at its start and restores them at its end."""
     dtype: Literal["float32", "bfloat16"] = "float32"
 
 

@@ -14,6 +14,11 @@ before the reconciler admits groups at the new version. A `kill -9` between
 any two lines resumes exactly: see `atelier.rl.checkpoint` and
 `atelier.rl.ledger`.
 
+The named steps, in the order `run_training` calls them: `open_run`
+(`prepare_run_dir`, `restore_trainer`, `restore_ledger`, the weight sync
+from `make_weight_sync`, `make_backend`, the `Reconciler`), then
+`train_step` per batch, `save_final_checkpoint`, `write_summary`.
+
 Run directory: config.toml (resolved), ledger.jsonl, metrics.jsonl,
 rollouts/<slot>.json (trajectories), checkpoints/step-<k>/, weights/ (delta
 chain, when used), summary.json.
@@ -23,9 +28,10 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from atelier.config import dump_config
 from atelier.errors import AtelierError
@@ -35,9 +41,9 @@ from atelier.rl.curriculum import Curriculum
 from atelier.rl.env import make_environment
 from atelier.rl.ledger import Ledger
 from atelier.rl.metrics import MetricsWriter, make_loggers, step_metrics
-from atelier.rl.reconciler import Reconciler
+from atelier.rl.reconciler import Batch, Reconciler
 from atelier.rl.sample import samples_from_trajectory
-from atelier.rl.weight_sync import DeltaChainWeightSync, InProcessWeightSync
+from atelier.rl.weight_sync import WeightSync, make_weight_sync
 
 
 class RunDirError(AtelierError):
@@ -64,19 +70,6 @@ class TrainSummary:
         return out
 
 
-def resolve_model_dir(spec: str, run_dir: Path) -> Path:
-    if spec == "tiny":
-        from atelier.inference.tiny import build_tiny_model
-
-        target = run_dir / "base-model"
-        if not (target / "config.json").exists():
-            build_tiny_model(target)
-        return target
-    from atelier.inference.models import resolve_model
-
-    return resolve_model(spec)
-
-
 def prepare_run_dir(config: TrainConfig, run_dir: Path, resume: bool) -> None:
     if resume:
         if not (run_dir / "config.toml").exists():
@@ -90,7 +83,8 @@ def prepare_run_dir(config: TrainConfig, run_dir: Path, resume: bool) -> None:
     (run_dir / "config.toml").write_text(dump_config(config))
 
 
-def make_backend(config: TrainConfig, env, model_path: Path, version: int, reader, chain_root: Path | None):
+def make_backend(config: TrainConfig, env, model_path: Path, version: int, reader: WeightSync,
+                 chain_root: Path | None):
     if config.launcher == "ray":
         from atelier.rl.ray_launcher import RayBackend
 
@@ -103,106 +97,176 @@ def make_backend(config: TrainConfig, env, model_path: Path, version: int, reade
     return LocalBackend(env, engine, reader, config.rollout.workers)
 
 
+@dataclass
+class Run:
+    """What one RL run holds open, built by `open_run` and released by `close`."""
+
+    config: TrainConfig
+    run_dir: Path
+    trainer: Any
+    tokenizer: Any
+    ledger: Ledger
+    weights: WeightSync
+    backend: Any
+    reconciler: Reconciler
+    metrics: MetricsWriter
+    loggers: list[Callable[[dict[str, Any]], None]]
+    started: float = field(default_factory=time.perf_counter)
+    idle_s: float = 0.0
+    busy_s: float = 0.0
+
+    def close(self) -> None:
+        self.reconciler.close()
+        self.backend.close()
+        self.ledger.close()
+
+
 def run_training(config: TrainConfig, run_dir: str | Path, resume: bool = False,
                  on_step: Callable[[dict[str, Any]], None] | None = None) -> TrainSummary:
-    """Train until the epoch (or `trainer.steps`) is done; resumable after any crash."""
-    from atelier.rl.trainer import Trainer
+    """Train until the epoch (or `trainer.steps`) is done; resumable after any crash.
 
+    Sets torch's thread count to `trainer.threads` for the run and restores
+    it after: the one place an RL run touches that process-wide setting."""
+    with torch_threads(config.trainer.threads):
+        run = open_run(config, Path(run_dir), resume)
+        try:
+            run.reconciler.start()
+            while True:
+                waited = time.perf_counter()
+                batch = run.reconciler.next_batch()
+                if batch is None:
+                    break
+                record = train_step(run, batch, idle_s=time.perf_counter() - waited)
+                for log in (*run.loggers, *([on_step] if on_step else [])):
+                    log(record)
+            save_final_checkpoint(run)
+        finally:
+            run.close()
+        return write_summary(run)
+
+
+def open_run(config: TrainConfig, run_dir: Path, resume: bool) -> Run:
+    """Restore (or start) the trainer, ledger, weight sync, rollout backend and reconciler."""
     from transformers.utils import logging as hf_logging
 
+    from atelier.inference.models import resolve_or_build_tiny
+
     hf_logging.disable_progress_bar()
-    start = time.perf_counter()
-    run_dir = Path(run_dir)
+    started = time.perf_counter()
     prepare_run_dir(config, run_dir, resume)
     loggers = make_loggers(config.loggers, run_dir, config.model_dump(mode="json"))
-    base = resolve_model_dir(config.model, run_dir)
     ckpt = latest_checkpoint(run_dir) if resume else None
+    model_path = ckpt / "model" if ckpt else resolve_or_build_tiny(config.model, run_dir, seed=config.seed)
+    trainer = restore_trainer(config, model_path, ckpt)
+    ledger = restore_ledger(run_dir, ckpt, trainer.step)
+    root = sync_root(config, run_dir)
+    weights = make_weight_sync(config.sync.kind, root, config.sync.full_every)
+    weights.truncate_after(trainer.step)
+    if (weights.latest() or (None, -1))[1] != trainer.step:  # readers start from the trainer's weights
+        weights.publish(_published(trainer.state_dict(), config.sync.dtype), trainer.step)
+    env = make_environment(config.env, config.rollout, config.shaping, config.seed)
+    backend = make_backend(config, env, model_path, trainer.step, weights.reader(), root)
+    reconciler = Reconciler(ledger=ledger, tasks=env.tasks(), category=env.category, backend=backend,
+                            cfg=config.rollout, curriculum=Curriculum(config.curriculum),
+                            rollouts_dir=run_dir / "rollouts", seed=config.seed, version=trainer.step,
+                            total_steps=config.trainer.steps)
+    return Run(config, run_dir, trainer, _tokenizer(model_path), ledger, weights, backend, reconciler,
+               MetricsWriter(run_dir / "metrics.jsonl"), loggers, started=started)
+
+
+def restore_trainer(config: TrainConfig, model_path: Path, ckpt: Path | None):
+    """A trainer on `model_path`; with a checkpoint, its step, optimizer state and RNG too."""
+    from atelier.rl.trainer import Trainer
+
     step = read_meta(ckpt)["step"] if ckpt else 0
-    model_path = ckpt / "model" if ckpt else base
     trainer = Trainer(model_path, config.trainer, temperature=config.rollout.temperature, step=step)
     if ckpt:
         trainer.load_optimizer(ckpt)
         restore_rng(ckpt)
+    return trainer
+
+
+def restore_ledger(run_dir: Path, ckpt: Path | None, step: int) -> Ledger:
+    """The slot ledger as of the committed `step`."""
     ledger = Ledger.load(run_dir / "ledger.jsonl", committed_step=step)
-    if ckpt:  # the checkpoint committed these even if the ledger line never made it to disk
-        for sid in read_meta(ckpt).get("trained_slots", []):
-            if ledger.slots[sid].state != "trained":
-                ledger.set(sid, "trained", step=step)
+    # The checkpoint committed these even if the ledger line never made it to disk.
+    for sid in read_meta(ckpt).get("trained_slots", []) if ckpt else []:
+        if ledger.slots[sid].state != "trained":
+            ledger.set(sid, "trained", step=step)
+    return ledger
 
-    if config.sync.kind == "delta":
-        root = Path(config.sync.dir) if config.sync.dir else run_dir / "weights"
-        writer = DeltaChainWeightSync(root, full_every=config.sync.full_every)
-        writer.truncate_after(step)
-        reader = DeltaChainWeightSync(root, full_every=config.sync.full_every)
-    else:
-        root = None
-        writer = reader = InProcessWeightSync()
-    if (writer.latest() or (None, -1))[1] != step:  # readers start from the trainer's weights
-        writer.publish(_published(trainer.state_dict(), config.sync.dtype), step)
 
-    env = make_environment(config.env, config.rollout, config.shaping, config.seed)
-    backend = make_backend(config, env, model_path, step, reader, root)
-    tokenizer = _tokenizer(model_path)
-    reconciler = Reconciler(ledger=ledger, tasks=env.tasks(), category=env.category, backend=backend,
-                            cfg=config.rollout, curriculum=Curriculum(config.curriculum),
-                            rollouts_dir=run_dir / "rollouts", seed=config.seed, version=step,
-                            total_steps=config.trainer.steps)
-    writer_metrics = MetricsWriter(run_dir / "metrics.jsonl")
-    idle_total = busy_total = 0.0
-    try:
-        reconciler.start()
-        while True:
-            t0 = time.perf_counter()
-            batch = reconciler.next_batch()
-            if batch is None:
-                break
-            t1 = time.perf_counter()
-            trajs = {sid: reconciler.load_trajectory(sid) for sid in batch.slot_ids}
-            samples = [s for sid, traj in trajs.items()
-                       for s in samples_from_trajectory(traj, ledger.slots[sid].advantage or 0.0,
-                                                        ledger.slots[sid].group_id)]
-            train = trainer.train_step(samples)
-            step = trainer.step
-            if step % config.trainer.checkpoint_every == 0:
-                save_checkpoint(run_dir, step, trainer, tokenizer,
-                                {"trained_slots": batch.slot_ids, "cursor": sorted(ledger.task_ids())})
-            sync = writer.publish(_published(trainer.state_dict(), config.sync.dtype), step)
-            ts = time.perf_counter()
-            backend.update_weights(step)
-            engine_swap_s = time.perf_counter() - ts
-            reconciler.commit(batch, step)
-            t2 = time.perf_counter()
-            idle_total += t1 - t0
-            busy_total += t2 - t1
-            record = step_metrics(step=step, batch_groups=[g.group_id for g in batch.groups], trajs=trajs,
-                                  ledger=ledger, train=train, sync=sync, engine_swap_s=engine_swap_s,
-                                  counters=reconciler.take_counters(), idle_s=t1 - t0, busy_s=t2 - t1,
-                                  wall_s=time.perf_counter() - start, mode=config.rollout.mode)
-            writer_metrics.write(record)
-            for log in loggers:
-                log(record)
-            if on_step is not None:
-                on_step(record)
-        last = latest_checkpoint(run_dir)
-        if trainer.step and (last is None or read_meta(last)["step"] < trainer.step):
-            save_checkpoint(run_dir, trainer.step, trainer, tokenizer,
-                            {"trained_slots": [], "cursor": sorted(ledger.task_ids())})
-    finally:
-        reconciler.close()
-        backend.close()
-        ledger.close()
-    rows = writer_metrics.read_all()
+def sync_root(config: TrainConfig, run_dir: Path) -> Path | None:
+    """Where the delta chain lives (None for the in-process sync)."""
+    if config.sync.kind != "delta":
+        return None
+    return Path(config.sync.dir) if config.sync.dir else run_dir / "weights"
+
+
+def train_step(run: Run, batch: Batch, *, idle_s: float) -> dict[str, Any]:
+    """One step, in the commit order of the module docstring; returns its metrics record."""
+    busy_from = time.perf_counter()
+    config, trainer, ledger = run.config, run.trainer, run.ledger
+    trajs = {sid: run.reconciler.load_trajectory(sid) for sid in batch.slot_ids}
+    samples = [s for sid, traj in trajs.items()
+               for s in samples_from_trajectory(traj, ledger.slots[sid].advantage or 0.0,
+                                                ledger.slots[sid].group_id)]
+    train = trainer.train_step(samples)
+    step = trainer.step
+    if step % config.trainer.checkpoint_every == 0:
+        save_checkpoint(run.run_dir, step, trainer, run.tokenizer,
+                        {"trained_slots": batch.slot_ids, "cursor": sorted(ledger.task_ids())})
+    sync = run.weights.publish(_published(trainer.state_dict(), config.sync.dtype), step)
+    swap_from = time.perf_counter()
+    run.backend.update_weights(step)
+    engine_swap_s = time.perf_counter() - swap_from
+    run.reconciler.commit(batch, step)
+    busy_s = time.perf_counter() - busy_from
+    run.idle_s += idle_s
+    run.busy_s += busy_s
+    record = step_metrics(step=step, batch_groups=[g.group_id for g in batch.groups], trajs=trajs,
+                          ledger=ledger, train=train, sync=sync, engine_swap_s=engine_swap_s,
+                          counters=run.reconciler.take_counters(), idle_s=idle_s, busy_s=busy_s,
+                          wall_s=time.perf_counter() - run.started, mode=config.rollout.mode)
+    run.metrics.write(record)
+    return record
+
+
+def save_final_checkpoint(run: Run) -> None:
+    """Checkpoint the last step when `checkpoint_every` did not land on it."""
+    last = latest_checkpoint(run.run_dir)
+    step = run.trainer.step
+    if step and (last is None or read_meta(last)["step"] < step):
+        save_checkpoint(run.run_dir, step, run.trainer, run.tokenizer,
+                        {"trained_slots": [], "cursor": sorted(run.ledger.task_ids())})
+
+
+def write_summary(run: Run) -> TrainSummary:
+    rows = run.metrics.read_all()
     summary = TrainSummary(
-        run_dir=str(run_dir), steps=trainer.step, mode=config.rollout.mode,
-        wall_s=time.perf_counter() - start,
+        run_dir=str(run.run_dir), steps=run.trainer.step, mode=run.config.rollout.mode,
+        wall_s=time.perf_counter() - run.started,
         reward_first=rows[0]["reward_mean"] if rows else None,
         reward_last=rows[-1]["reward_mean"] if rows else None,
-        trainer_idle_fraction=idle_total / max(idle_total + busy_total, 1e-9),
+        trainer_idle_fraction=run.idle_s / max(run.idle_s + run.busy_s, 1e-9),
         gen_tokens_per_s=sum(r["gen_tokens"] for r in rows) / max(sum(r["interval_s"] for r in rows), 1e-9)
         if rows else 0.0,
-        ledger=ledger.counts(), checkpoint=str(latest_checkpoint(run_dir) or "") or None, metrics=rows)
-    (run_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=1) + "\n")
+        ledger=run.ledger.counts(), checkpoint=str(latest_checkpoint(run.run_dir) or "") or None, metrics=rows)
+    (run.run_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=1) + "\n")
     return summary
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count is process-wide: set it for the run, give it back after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _published(state_dict, dtype: str):

@@ -49,7 +49,6 @@ class Trainer:
                  step: int = 0) -> None:
         from transformers import AutoModelForCausalLM
 
-        torch.set_num_threads(cfg.threads)
         self.cfg, self.temperature, self.step = cfg, temperature, step
         dtype = getattr(torch, cfg.dtype)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)

@@ -63,9 +63,19 @@ class SyncStats:
 
 
 class WeightSync(Protocol):
+    """The trainer publishes through one instance; each inference side reads
+    through `reader()` (the same object in one process, its own file cursor
+    on shared storage)."""
+
     def publish(self, state_dict: StateDict, step: int) -> SyncStats: ...
 
     def latest(self) -> tuple[StateDict, int] | None: ...
+
+    def reader(self) -> "WeightSync": ...
+
+    def truncate_after(self, step: int) -> None:
+        """Forget steps newer than `step` (a resume from the checkpoint of `step`)."""
+        ...
 
 
 def detached_copy(state_dict: StateDict) -> StateDict:
@@ -90,6 +100,14 @@ class InProcessWeightSync:
     def latest(self) -> tuple[StateDict, int] | None:
         with self._lock:
             return self._current
+
+    def reader(self) -> "InProcessWeightSync":
+        return self
+
+    def truncate_after(self, step: int) -> None:
+        with self._lock:
+            if self._current is not None and self._current[1] > step:
+                self._current = None
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -133,6 +151,10 @@ class DeltaChainWeightSync:
 
     def _path(self, step: int, kind: str) -> Path:
         return self.root / f"step-{step:08d}.{kind}"
+
+    def reader(self) -> "DeltaChainWeightSync":
+        """A reader with its own cache over the same directory (a writer's cache is its last publish)."""
+        return DeltaChainWeightSync(self.root, full_every=self.full_every, keep_chains=self.keep_chains)
 
     def truncate_after(self, step: int) -> None:
         """Delete steps newer than `step` (resume from a checkpoint at `step`)."""
@@ -212,6 +234,7 @@ class DeltaChainWeightSync:
 
 
 def make_weight_sync(kind: str, root: str | Path | None = None, full_every: int = 10) -> WeightSync:
+    """The writer side of `sync.kind`; readers come from its `reader()`."""
     if kind == "inprocess":
         return InProcessWeightSync()
     if kind == "delta":
