@@ -44,6 +44,7 @@ def eval_cmd(
     from atelier.eval.runner import EvalConfig, run_eval
     from atelier.eval.tasks import load_tasks
     from atelier.harness.config import AgentConfig
+    from atelier.inference.types import owning
 
     sets = list(overrides)
     if max_turns is not None:
@@ -57,7 +58,7 @@ def eval_cmd(
     config = EvalConfig(passes=passes, concurrency=concurrency, backend=backend.value)
 
     if not as_json:
-        typer.echo(f"evaluating {policy.name if hasattr(policy, 'name') else model} on {len(task_list)} "
+        typer.echo(f"evaluating {policy.name} on {len(task_list)} "
                    f"task(s) x {passes} pass(es), {concurrency} at a time -> {out}", err=True)
 
     def progress(done: int, total: int, rec) -> None:
@@ -67,13 +68,9 @@ def eval_cmd(
         typer.echo(f"[{done}/{total}] {rec.task_id} pass {rec.pass_index}: {outcome} "
                    f"({rec.turns} turns, {rec.wall_s:.1f} s)", err=True)
 
-    try:
+    with owning(policy):
         summary = run_eval(policy, task_list, out, agent_config=agent_config, config=config,
                            prices=table, progress=progress)
-    finally:
-        close = getattr(policy, "close", None)
-        if callable(close):
-            close()
     m = summary.metrics
     if as_json:
         print(json.dumps({"run_dir": str(summary.run_dir), "ran": summary.ran,

@@ -1,9 +1,9 @@
 """Run a model over a task suite, several passes, and record every attempt.
 
-For each task and pass (an *attempt*): a sandbox over the task's snapshot
-(with the task's dependency venv mounted read-only and first on PATH), the
-harness's agent loop (`run_episode`), then the final diff graded by
-`atelier.tasks.grade.grade` in a fresh sandbox. The attempt becomes one
+For each task and pass (an *attempt*): `atelier.harness.episode.run_and_grade`
+(a sandbox over the task's snapshot with its dependency venv mounted
+read-only and first on PATH, the agent loop, the final diff graded in a
+fresh sandbox: the same path as an RL rollout). The attempt becomes one
 `EvalRecord` line in `results.jsonl` and one trajectory JSON file.
 
 Resuming: attempts whose latest record is not an infrastructure error are
@@ -30,7 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal, Protocol, Sequence, Union, runtime_checkable
 
 from pydantic import Field
 
@@ -39,7 +39,9 @@ from atelier.eval.metrics import EvalMetrics, compute_metrics
 from atelier.eval.prices import PriceTable, load_prices
 from atelier.eval.records import (META_FILE, SUMMARY_FILE, EvalError, EvalRecord, ResultsWriter,
                                   read_json, read_records, trajectory_path, write_json)
+from atelier.harness.config import AgentConfig
 from atelier.harness.trajectory import Trajectory
+from atelier.inference.types import ChatModel, TokenModel
 from atelier.tasks.schema import Task
 
 Progress = Callable[[int, int, EvalRecord], None]
@@ -71,22 +73,32 @@ class EvalSummary:
     """Attempts already finished in the run directory."""
 
 
-def model_name(model: Any) -> str:
-    return str(getattr(model, "name", "") or type(model).__name__)
+@runtime_checkable
+class PerTaskModel(Protocol):
+    """A policy that needs the task to act (a gold replay): a fresh model per attempt."""
+
+    name: str
+
+    def for_task(self, task: Task) -> TokenModel | ChatModel: ...
 
 
-def resolve_model(model: Any, task: Task) -> Any:
-    """A model that needs the task to act (gold replay) has `for_task(task)`."""
-    for_task = getattr(model, "for_task", None)
-    return for_task(task) if callable(for_task) else model
+Policy = Union[TokenModel, ChatModel, PerTaskModel]
 
 
-def run_eval(model: Any, tasks: Sequence[Task] | str | Path, out_dir: str | Path, passes: int = 1,
-             concurrency: int = 1, agent_config: Any = None, *, config: EvalConfig | None = None,
+def model_name(model: Policy) -> str:
+    return str(model.name or type(model).__name__)
+
+
+def resolve_model(model: Policy, task: Task) -> TokenModel | ChatModel:
+    """The model that acts on `task`: `for_task(task)` of a `PerTaskModel`, else `model` itself."""
+    return model.for_task(task) if isinstance(model, PerTaskModel) else model
+
+
+def run_eval(model: Policy, tasks: Sequence[Task] | str | Path, out_dir: str | Path, passes: int = 1,
+             concurrency: int = 1, agent_config: AgentConfig | None = None, *, config: EvalConfig | None = None,
              prices: PriceTable | str | Path | None = None, split: str | None = None,
              progress: Progress | None = None) -> EvalSummary:
-    """Evaluate `model` (a TokenModel, a ChatModel, or an object with
-    `for_task(task)`) on `tasks` (loaded tasks, or a task/suite directory),
+    """Evaluate `model` (a TokenModel, a ChatModel, or a PerTaskModel) on `tasks` (loaded tasks, or a task/suite directory),
     writing into `out_dir`. `config` wins over `passes` and `concurrency`."""
     from atelier.eval.tasks import load_tasks
 
@@ -95,10 +107,7 @@ def run_eval(model: Any, tasks: Sequence[Task] | str | Path, out_dir: str | Path
     if not task_list:
         raise EvalError("no tasks to evaluate", hint="pass a task directory or a suite of them")
     table = prices if isinstance(prices, PriceTable) else load_prices(prices)
-    if agent_config is None:
-        from atelier.harness.config import AgentConfig
-
-        agent_config = AgentConfig()
+    agent_config = agent_config or AgentConfig()
     run_dir = Path(out_dir)
     name = model_name(model)
     _prepare_run_dir(run_dir, name, task_list, config, agent_config, tasks)
@@ -153,7 +162,7 @@ def summarize(run_dir: str | Path, *, passes: int | None = None, threshold: floa
 
 
 def _prepare_run_dir(run_dir: Path, name: str, tasks: list[Task], config: EvalConfig,
-                     agent_config: Any, source: Any) -> None:
+                     agent_config: AgentConfig, source: Any) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         raise EvalError(f"--out {run_dir} is a file, not a run directory",
                         hint="pass a new or existing run directory")
@@ -162,7 +171,6 @@ def _prepare_run_dir(run_dir: Path, name: str, tasks: list[Task], config: EvalCo
     if meta is not None and meta.get("model") != name:
         raise EvalError(f"run directory {run_dir} holds an evaluation of model {meta.get('model')!r}, "
                         f"not {name!r}", hint="use a new --out directory for each model")
-    dump = getattr(agent_config, "model_dump", None)
     now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     ids = list(dict.fromkeys([*(meta or {}).get("tasks", []), *(t.id for t in tasks)]))
     write_json(run_dir / META_FILE, {
@@ -170,18 +178,15 @@ def _prepare_run_dir(run_dir: Path, name: str, tasks: list[Task], config: EvalCo
         "tasks_source": str(source) if isinstance(source, (str, Path)) else None,
         "passes": max(config.passes, (meta or {}).get("passes", 0)),
         "eval_config": config.model_dump(mode="json"),
-        "agent_config": dump(mode="json") if callable(dump) else None,
+        "agent_config": agent_config.model_dump(mode="json"),
         "started": (meta or {}).get("started", now), "updated": now,
     })
 
 
-def run_attempt(model: Any, task: Task, index: int, run_dir: Path, config: EvalConfig,
-                agent_config: Any, prices: PriceTable) -> EvalRecord:
-    """One task, one pass: episode, grade, record; never raises an Exception."""
-    from atelier.harness.agent import run_episode
-    from atelier.sandbox import create_sandbox
-    from atelier.tasks.envs import ensure_env, env_mounts
-    from atelier.tasks.grade import grade
+def run_attempt(model: Policy, task: Task, index: int, run_dir: Path, config: EvalConfig,
+                agent_config: AgentConfig, prices: PriceTable) -> EvalRecord:
+    """One task, one pass: `run_and_grade`, then the record; never raises an Exception."""
+    from atelier.harness.episode import run_and_grade
 
     name = model_name(model)
     record = EvalRecord(task_id=task.id, pass_index=index, model=name,
@@ -189,34 +194,18 @@ def run_attempt(model: Any, task: Task, index: int, run_dir: Path, config: EvalC
     traj: Trajectory | None = None
     start = time.monotonic()
     try:
-        venv = ensure_env(task, config.env_cache)  # built already by run_eval: a lookup
-        sb_config = task.limits.sandbox_config(
-            backend=config.backend, ro_mounts=env_mounts(venv) if venv else [],
-            env=_venv_env(venv))
-        with create_sandbox(task.snapshot, sb_config) as sandbox:
-            traj = run_episode(resolve_model(model, task), sandbox, task.prompt, task_id=task.id,
-                               config=config_for_pass(agent_config, index))
-            diff = traj.final_diff or sandbox.diff()
-            traj.final_diff = diff
-        record.episode_s = time.monotonic() - start
-        if traj.error or traj.exit_reason == "error":
-            record.infra_error = True
-            record.error_type = (traj.error or "error").split(":", 1)[0].strip() or "error"
-            record.error = traj.error
+        episode = run_and_grade(task, resolve_model(model, task), config_for_pass(agent_config, index),
+                                backend=config.backend, env_cache=config.env_cache)
+        traj, result = episode.trajectory, episode.grade
+        record.episode_s, record.grade_s = episode.episode_s, episode.grade_s
+        record.reward_parts = dict(traj.reward_parts)
+        if episode.infra_error is not None:
+            record.infra_error, record.error_type = True, episode.error_type
+            record.error = result.error if result is not None else traj.error
         else:
-            graded_at = time.monotonic()
-            result = grade(task, diff, backend=config.backend, cache_dir=config.env_cache)
-            record.grade_s = time.monotonic() - graded_at
-            f, p = result.fail_to_pass, result.pass_to_pass
-            record.reward_parts = {"fail_to_pass": f.passed / f.total if f.total else 1.0,
-                                   "pass_to_pass": p.passed / p.total if p.total else 1.0}
-            if result.infra_error:
-                record.infra_error, record.error_type, record.error = True, "GradeTimeout", result.error
-            else:
-                record.reward = result.reward
-                record.success = result.reward >= config.threshold
-                record.grade_error = result.error
-            traj.reward, traj.reward_parts = record.reward, dict(record.reward_parts)
+            record.reward = result.reward
+            record.success = result.reward >= config.threshold
+            record.grade_error = result.error
     except Exception as exc:  # the batch edge: one attempt's failure never stops the run
         record.infra_error, record.error_type = True, type(exc).__name__
         record.error = str(exc)[-4000:]
@@ -231,12 +220,12 @@ def run_attempt(model: Any, task: Task, index: int, run_dir: Path, config: EvalC
     return record
 
 
-def config_for_pass(agent_config: Any, index: int) -> Any:
+def config_for_pass(agent_config: AgentConfig, index: int) -> AgentConfig:
     """Pass i samples with seed + i·PASS_SEED_STRIDE when a seed is set: with
     one seed for every pass, all K attempts would be the same sample and
     pass@k would equal pass@1."""
-    sampling = getattr(agent_config, "sampling", None)
-    if sampling is None or sampling.seed is None or index == 0:
+    sampling = agent_config.sampling
+    if sampling.seed is None or index == 0:
         return agent_config
     seed = sampling.seed + index * PASS_SEED_STRIDE
     return agent_config.model_copy(update={"sampling": sampling.model_copy(update={"seed": seed})})
@@ -244,16 +233,6 @@ def config_for_pass(agent_config: Any, index: int) -> Any:
 
 PASS_SEED_STRIDE = 100_003
 """Larger than any turn count, so turn seeds (seed + t) of passes never meet."""
-
-
-def _venv_env(venv: Path | None) -> dict[str, str]:
-    """The agent's `python` and `pytest` are the task's venv, as in grading."""
-    from atelier.sandbox.hostfs import SANDBOX_PATH
-
-    env = {"PYTHONDONTWRITEBYTECODE": "1"}
-    if venv is not None:
-        env.update({"PATH": f"{venv}/bin:{SANDBOX_PATH}", "VIRTUAL_ENV": str(venv)})
-    return env
 
 
 def billed_tokens(traj: Trajectory) -> tuple[int, int]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from atelier.harness.config import AgentConfig
-from atelier.harness.context import ChatContext, Result, TokenContext, Turn
+from atelier.harness.context import ContextWindow, Result, Turn, open_window
 from atelier.harness.errors import AgentStop, FormatError, LimitsExceeded, Submitted
 from atelier.harness.parsing import ToolCall
 from atelier.harness.prompt import SUMMARY_REQUEST, build_messages
@@ -53,9 +53,8 @@ def run_episode(model: Any, sandbox: Any, prompt: str, *, task_id: str = "", con
     emit = on_event or (lambda event: None)
     traj = Trajectory(task_id=task_id, model=getattr(model, "name", ""), limits=config.limits())
     ctx = ToolContext(sandbox, config.tools)
-    window = (TokenContext(model, config, traj) if hasattr(model, "generate")
-              else ChatContext(model, config, traj, [t.openai_schema() for t in tools.values()]
-                               if config.native_tools else None))
+    window = open_window(model, config, traj,
+                         [t.openai_schema() for t in tools.values()] if config.native_tools else None)
     # A model that knows its context length (the local engine) bounds the segment too.
     limit = min(config.max_context_tokens, getattr(model, "max_seq_len", None) or config.max_context_tokens)
     traj.limits["max_context_tokens"] = limit
@@ -91,7 +90,7 @@ def run_episode(model: Any, sandbox: Any, prompt: str, *, task_id: str = "", con
     return traj
 
 
-def _act(turn: Turn, tools: dict[str, Tool], ctx: ToolContext, traj: Trajectory, window: Any,
+def _act(turn: Turn, tools: dict[str, Tool], ctx: ToolContext, traj: Trajectory, window: ContextWindow,
          emit: Callable[[Event], None]) -> list[Result]:
     """Run the turn's calls in order; a submit ends the episode after recording it."""
     items = turn.parsed.items or [FormatError(
@@ -122,7 +121,7 @@ def _act(turn: Turn, tools: dict[str, Tool], ctx: ToolContext, traj: Trajectory,
     return results
 
 
-def _summarize(window: Any, tools: dict[str, Tool], ctx: ToolContext, prompt: str, config: AgentConfig,
+def _summarize(window: ContextWindow, tools: dict[str, Tool], ctx: ToolContext, prompt: str, config: AgentConfig,
                traj: Trajectory, past_messages: list[str], emit: Callable[[Event], None], limit: int) -> None:
     """Ask for a summary in the current segment, then restart the context from it."""
     window.add_messages([{"role": "user", "content": SUMMARY_REQUEST}])

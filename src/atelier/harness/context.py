@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from atelier.harness.config import AgentConfig
 from atelier.harness.errors import FormatError
@@ -47,6 +47,44 @@ class Result:
     item: Item               # the call (or the format error) this answers
     output: str
     ok: bool
+
+
+class ContextWindow(Protocol):
+    """What the agent loop needs of a context window (`TokenContext`, `ChatContext`)."""
+
+    turns_in_segment: int
+
+    @property
+    def size(self) -> int:
+        """Tokens in the current segment (a chat backend's usage count, or an estimate)."""
+        ...
+
+    def count(self, text: str) -> int: ...
+
+    def start(self, messages: list[dict[str, Any]]) -> None:
+        """Begin a segment with these messages (the first, or after a summary)."""
+        ...
+
+    def sample(self, max_new: int, seed: int | None) -> Turn: ...
+
+    def add_messages(self, new: list[dict[str, Any]]) -> int:
+        """Append messages the model did not sample; returns their token count."""
+        ...
+
+    def observe(self, results: list[Result]) -> int:
+        """Show a turn's tool results; returns their token count."""
+        ...
+
+
+def open_window(model: Any, config: AgentConfig, traj: Trajectory,
+                tools: list[dict[str, Any]] | None) -> ContextWindow:
+    """A `TokenContext` for a `TokenModel` (token-exact), else a `ChatContext`
+    (`tools`: the OpenAI schemas, passed only with native tool calls)."""
+    from atelier.inference.types import TokenModel
+
+    if isinstance(model, TokenModel):
+        return TokenContext(model, config, traj)
+    return ChatContext(model, config, traj, tools)
 
 
 def _name(item: Item) -> str:
@@ -243,4 +281,4 @@ class ChatContext:
         return n
 
 
-__all__ = ["TokenContext", "ChatContext", "Turn", "Result", "FormatError", "observation_messages"]
+__all__ = ["ContextWindow", "TokenContext", "ChatContext", "open_window", "Turn", "Result", "FormatError", "observation_messages"]

@@ -2,7 +2,8 @@
 
 Opens the model (`atelier.inference.models.open_model`: a local engine for a
 directory or known name, a client for a URL) or a `ScriptedModel` for
-`--script`, runs `run_episode` in a sandbox over the repository, shows each
+`--script`, runs the episode in a sandbox over the repository
+(`atelier.harness.episode.run_in_sandbox`, the path graded tasks take too), shows each
 tool call as it happens, prints the final diff, saves the trajectory, and
 applies the diff to the repository only when asked. The repository may be
 a plain directory: the diff is applied with `git apply` outside any
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from atelier.errors import AtelierError
-from atelier.harness.agent import Event, run_episode
+from atelier.harness.agent import Event
 from atelier.harness.config import AgentConfig
 
 
@@ -110,7 +111,9 @@ def run_agent_command(*, task: str, model: str | None, repo: Path, apply: bool, 
     from rich.syntax import Syntax
 
     from atelier.config import load_config
-    from atelier.sandbox import SandboxConfig, create_sandbox
+    from atelier.harness.episode import run_in_sandbox
+    from atelier.inference.types import owning
+    from atelier.sandbox import SandboxConfig
 
     if not repo.is_dir():
         raise AtelierError(f"repository {repo} is not a directory", hint="pass --repo DIR")
@@ -119,15 +122,9 @@ def run_agent_command(*, task: str, model: str | None, repo: Path, apply: bool, 
     extra = [f"max_turns={max_turns}"] if max_turns is not None else []
     config = load_config(AgentConfig, recipe, [*overrides, *extra])
     console = Console(stderr=True)
-    policy = open_agent_model(model, script, api_key)
-    try:
-        with create_sandbox(repo, SandboxConfig(backend=backend)) as sandbox:
-            traj = run_episode(policy, sandbox, task, task_id=repo.resolve().name, config=config,
-                               on_event=LiveView(console, quiet))
-    finally:
-        close = getattr(policy, "close", None)
-        if callable(close):
-            close()
+    with owning(open_agent_model(model, script, api_key)) as policy:
+        traj = run_in_sandbox(policy, repo, task, SandboxConfig(backend=backend), task_id=repo.resolve().name,
+                              agent_cfg=config, on_event=LiveView(console, quiet))
     traj.save(out)
     if traj.final_diff:  # whole lines on stdout, so the diff can be piped or copied
         stdout = Console()

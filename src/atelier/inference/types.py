@@ -13,8 +13,9 @@ inside one `Generation` (PITFALLS: stamping at completion mislabels tokens).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Iterator, Literal, Protocol, TypeVar, runtime_checkable
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -93,3 +94,25 @@ class ChatModel(Protocol):
     def chat(
         self, messages: list[dict[str, Any]], params: SamplingParams, tools: list[dict[str, Any]] | None = None
     ) -> ChatReply: ...
+
+
+@runtime_checkable
+class Closeable(Protocol):
+    """A model that holds resources (an engine's scheduler thread and weights,
+    an HTTP session). Scripted models hold none and do not implement it."""
+
+    def close(self) -> None: ...
+
+
+M = TypeVar("M")
+
+
+@contextmanager
+def owning(model: M) -> Iterator[M]:
+    """Use `model` for a block and close it after, if it is `Closeable`: the one
+    place a caller that opened a model releases it."""
+    try:
+        yield model
+    finally:
+        if isinstance(model, Closeable):
+            model.close()

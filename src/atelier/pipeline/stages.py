@@ -156,17 +156,15 @@ class _Context:
     def _evaluate(self, model_path: str, out: Path) -> dict[str, Any]:
         from atelier.eval.runner import EvalConfig, run_eval
         from atelier.inference.models import open_model
+        from atelier.inference.types import owning
         from atelier.tasks.loader import load_suite
 
         tasks = load_suite(self.output("tasks", "dir"), split="test")
         cfg = EvalConfig(passes=self.config.eval.passes, concurrency=self.config.eval.concurrency,
                          backend=self.config.tasks.backend)
-        engine = open_model(model_path)
-        try:
+        with owning(open_model(model_path)) as engine:
             summary = run_eval(engine, tasks, out, config=cfg, agent_config=self.agent_config,
                                progress=self._progress("eval"))
-        finally:
-            getattr(engine, "close", lambda: None)()
         m = summary.metrics
         return {"dir": str(out), "accuracy": m.accuracy, "attempts": m.attempts,
                 "infra_errors": m.infra_errors, "model": model_path}

@@ -1,16 +1,15 @@
 """Real tasks as an RL environment: the agent harness in a sandbox, graded by hidden tests.
 
-One rollout: a sandbox created from the task's repository snapshot (with
-the task's shared read-only venv mounted), `run_episode` with the policy's
-engine, then `atelier.tasks.grade.grade` of the final diff in a *fresh*
-sandbox (the episode's sandbox can have been tampered with), then shaping.
+One rollout: `atelier.harness.episode.run_and_grade` (the same episode and
+grade as evaluation: sandbox over the snapshot with the task's venv, the
+agent loop with the policy's engine, the final diff graded in a fresh
+sandbox), then shaping.
 
-Infrastructure vs policy: an episode that ended on an exception (the
-sandbox, engine or harness raised: `exit_reason == "error"`) and a grade
-with `infra_error` (the test run timed out) raise `InfraError` — retried by
-the reconciler and never scored. A malformed tool call, a patch that does
-not apply or failing tests are the policy's: scored (0 plus penalties) and
-trained on.
+Infrastructure vs policy: what `GradedEpisode.infra_error` names (an episode
+that ended on an exception, a test run that timed out) and a sandbox that
+cannot be created raise `InfraError` — retried by the reconciler and never
+scored. A malformed tool call, a patch that does not apply or failing tests
+are the policy's: scored (0 plus penalties) and trained on.
 
 The trainer recomputes logprobs at the rollout temperature without top-p,
 so the agent samples at `rollout.temperature` with top_p = 1.
@@ -61,37 +60,20 @@ class TaskEnvironment:
         return self.agent.model_copy(update={"sampling": sampling})
 
     def rollout(self, task: Task, model, seed: int) -> Trajectory:
-        from atelier.harness.agent import run_episode
-        from atelier.sandbox import SandboxError, create_sandbox
-        from atelier.sandbox.hostfs import SANDBOX_PATH
-        from atelier.tasks.envs import ensure_env, env_mounts
-        from atelier.tasks.grade import grade
+        from atelier.harness.episode import run_and_grade
+        from atelier.sandbox import SandboxError
 
-        cache = self.cfg.env_cache or None
         try:
-            venv = ensure_env(task, cache)
-            env = {"PYTHONDONTWRITEBYTECODE": "1"}
-            if venv is not None:
-                env.update({"PATH": f"{venv}/bin:{SANDBOX_PATH}", "VIRTUAL_ENV": str(venv)})
-            sb_config = task.limits.sandbox_config(backend=self.cfg.backend,
-                                                   ro_mounts=env_mounts(venv) if venv else [], env=env)
-            with create_sandbox(task.snapshot, sb_config) as sandbox:
-                traj = run_episode(model, sandbox, task.prompt, task_id=task.id,
-                                   config=self._agent_config(seed))
+            episode = run_and_grade(task, model, self._agent_config(seed), backend=self.cfg.backend,
+                                    env_cache=self.cfg.env_cache or None)
         except SandboxError as exc:
             raise InfraError(f"sandbox: {exc.message}") from exc
-        if traj.exit_reason == "error" or traj.error:
-            raise InfraError(f"episode failed: {traj.error}")
-        result = grade(task, traj.final_diff, backend=self.cfg.backend, cache_dir=cache)
-        if result.infra_error:
-            raise InfraError(f"grading: {result.error}")
+        if episode.infra_error is not None:
+            raise InfraError(episode.infra_error)
+        traj, result = episode.trajectory, episode.grade
+        fractions = dict(traj.reward_parts)
         shape_trajectory(traj, result.reward, self.shaping)
-        f, p = result.fail_to_pass, result.pass_to_pass
-        traj.reward_parts.update({
-            "pass": float(result.reward >= 1.0),
-            "fail_to_pass": f.passed / f.total if f.total else 1.0,
-            "pass_to_pass": p.passed / p.total if p.total else 1.0,
-        })
+        traj.reward_parts.update({"pass": float(result.reward >= 1.0), **fractions})
         if result.error:
             traj.limits["grade_error"] = result.error[:500]
         return traj
