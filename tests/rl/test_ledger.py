@@ -113,6 +113,8 @@ def test_admission_bounds_untrained_groups_and_the_guard_waits_for_old_ones(tmp_
     batch = rc.next_batch(timeout=1)   # group 1 may go first: group 0 can still be trained at v = 1
     assert [g.group_id for g in batch.groups] == ["g00001-t1"]
     assert sorted(rc.ledger.slots[s].advantage for s in batch.slot_ids) == [-0.5, 0.5]
+    assert sorted(batch.trajectories[s].reward for s in batch.slot_ids) == [0.0, 1.0]
+    assert sorted(s.advantage for s in batch.samples()) == [-0.5, 0.5]   # what the trainer eats
     backend.update_weights(1)
     rc.commit(batch, 1)
     assert {s for s in backend.pending if s.startswith("g00002")} == {"g00002-t2/0", "g00002-t2/1"}
@@ -160,5 +162,18 @@ def test_resume_reruns_in_flight_rollouts_and_keeps_graded_ones(tmp_path):
     assert list(backend2.pending) == ["g00000-t0/1"]   # only the lost one runs again
     assert ledger.slots["g00000-t0/1"].attempt == 1
     backend2.finish("g00000-t0/1", 0.0)
-    assert sorted(rc2.next_batch(timeout=1).slot_ids) == ["g00000-t0/0", "g00000-t0/1"]
+    batch = rc2.next_batch(timeout=1)
+    assert sorted(batch.slot_ids) == ["g00000-t0/0", "g00000-t0/1"]
+    # the slot graded before the restart comes back from its file, the other from memory
+    assert batch.trajectories["g00000-t0/0"].reward == 1.0 and batch.trajectories["g00000-t0/1"].reward == 0.0
+
+
+def test_deferred_sync_still_hands_each_event_to_the_os_at_once(tmp_path):
+    ledger = Ledger(tmp_path / "l.jsonl")
+    with ledger.deferred_sync():
+        ledger.add_group("g0", "t0", 2, 0)
+        ledger.set("g0/0", "running", start_version=0)
+        seen = Ledger.load(tmp_path / "l.jsonl")   # what a kill -9 now would leave
+        assert seen.slots["g0/0"].state == "running"
+    ledger.close()
 

@@ -8,8 +8,12 @@ carries the optimizer step that consumed it. An infrastructure failure sends
 a slot back to `queued` with `attempt + 1`, or to `dropped` once the retries
 are spent.
 
-Durability and ordering: one JSON line per event, flushed and fsync'd before
-`record` returns, so the ledger on disk is always a prefix of what happened.
+Durability and ordering: one JSON line per event, written and flushed to the
+OS under the ledger's lock (a `kill -9` cannot lose it after that) and
+fsync'd before `record` returns, so the ledger on disk is always a prefix of
+what happened. Inside `deferred_sync()` the fsync waits until the block
+ends: the reconciler records under its own lock and syncs after releasing
+it, so one rollout's fsync never holds up another's completion.
 Replaying it gives the state. A torn last line (kill -9 mid-write) is
 ignored. Resume rules (`Ledger.load(path, committed_step)`):
 
@@ -29,7 +33,8 @@ from __future__ import annotations
 import json
 import os
 import threading
-from dataclasses import asdict, dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -76,6 +81,7 @@ class Ledger:
         self.groups: dict[str, Group] = {}
         self._lock = threading.RLock()
         self._file = None
+        self._deferred = threading.local()
 
     # --- persistence -------------------------------------------------------
     @classmethod
@@ -100,7 +106,27 @@ class Ledger:
             self._file = open(self.path, "a", encoding="utf-8")
         self._file.write(json.dumps(event) + "\n")
         self._file.flush()
-        os.fsync(self._file.fileno())
+
+    def _sync(self) -> None:
+        file = self._file
+        if file is not None:
+            try:
+                os.fsync(file.fileno())
+            except (ValueError, OSError):  # closed meanwhile: close() flushed it
+                pass
+
+    @contextmanager
+    def deferred_sync(self) -> Iterator[None]:
+        """Events this thread records inside the block reach the OS at once and
+        are fsync'd once, when the block ends (see the module docstring)."""
+        depth = getattr(self._deferred, "depth", 0)
+        self._deferred.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._deferred.depth = depth
+            if depth == 0:
+                self._sync()
 
     def close(self) -> None:
         with self._lock:
@@ -135,6 +161,8 @@ class Ledger:
         with self._lock:
             self._write(event)
             self._apply(event)
+        if not getattr(self._deferred, "depth", 0):
+            self._sync()
 
     # --- transitions -------------------------------------------------------
     def add_group(self, group_id: str, task_id: str, size: int, version: int) -> Group:
@@ -180,7 +208,3 @@ class Ledger:
             if any(self.slots[s].state not in ("trained", "dropped") for s in g.slots):
                 out.append(g)
         return out
-
-    def snapshot(self) -> dict[str, Any]:
-        return {"slots": [asdict(s) for s in self.slots.values()],
-                "groups": [asdict(g) for g in self.groups.values()]}

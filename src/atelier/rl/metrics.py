@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from atelier.errors import AtelierError
 from atelier.rl.advantages import group_stats
+from atelier.rl.reconciler import Batch
 
 
 class MetricsWriter:
@@ -31,17 +32,17 @@ class MetricsWriter:
         return rows
 
 
-def step_metrics(*, step: int, batch_groups: list[str], trajs: dict, ledger, train: dict[str, Any], sync,
+def step_metrics(*, step: int, batch: Batch, ledger_counts: dict[str, int], train: dict[str, Any], sync,
                  engine_swap_s: float, counters, idle_s: float, busy_s: float, wall_s: float,
                  mode: str) -> dict[str, Any]:
     """Reward and its parts, pass rate, best-of-K, staleness, IS weights, KL, entropy, throughput."""
     rewards, parts, per_group = [], Counter(), []
-    for gid in batch_groups:
-        slots = [s for s in ledger.group_slots(gid) if s.slot_id in trajs]
+    for group in batch.groups:
+        slots = [s for s in batch.slots if s.group_id == group.group_id]
         per_group.append(group_stats([s.reward for s in slots], [s.passed for s in slots]))
         for s in slots:
             rewards.append(s.reward)
-            for k, v in trajs[s.slot_id].reward_parts.items():
+            for k, v in batch.trajectories[s.slot_id].reward_parts.items():
                 parts[k] += v
     n = max(len(rewards), 1)
     interval = max(idle_s + busy_s, 1e-9)
@@ -52,13 +53,13 @@ def step_metrics(*, step: int, batch_groups: list[str], trajs: dict, ledger, tra
         "reward_parts": {k: v / n for k, v in parts.items()},
         "pass_rate": sum(g["pass_rate"] for g in per_group) / max(len(per_group), 1),
         "best_of_k": sum(g["best_of_k"] for g in per_group) / max(len(per_group), 1),
-        "groups": len(batch_groups), "samples": len(rewards),
+        "groups": len(batch.groups), "samples": len(rewards),
         "gen_tokens": counters.gen_tokens, "gen_tokens_per_s": counters.gen_tokens / gen_interval,
         "rollouts": counters.rollouts, "rollout_failures": counters.failures,
         "trainer_idle_s": idle_s, "trainer_busy_s": busy_s, "trainer_idle_fraction": idle_s / interval,
         "sync_bytes": sync.bytes, "sync_seconds": sync.seconds, "sync_kind": sync.kind,
         "sync_bytes_per_s": sync.bytes / max(sync.seconds, 1e-9), "engine_swap_s": engine_swap_s,
-        "ledger": ledger.counts(),
+        "ledger": ledger_counts,
         **train,
     }
 

@@ -5,9 +5,16 @@ Threads and ordering (the concurrency seam of the whole run):
 - Rollout workers (threads of a `RolloutBackend`, or Ray actors behind one)
   call `_on_done` when a rollout ends. The trainer thread calls
   `next_batch()` and, once the step's weights are live in the engine,
-  `commit(batch, step)`. Every state change happens under one lock and is
-  written to the ledger before the lock is released; after each change
+  `commit(batch, step)`. Every slot state change happens under one lock and
+  reaches the ledger file before the lock is released; after each change
   `_pump()` admits new groups and launches queued slots.
+- What is slow stays outside that lock: a rollout's trajectory file is
+  written before `_on_done` takes it (so the file exists before the
+  `graded` event), the ledger's fsync runs after it is released
+  (`Ledger.deferred_sync`), and a batch's trajectories missing from memory
+  (graded before a restart) are read after `next_batch` chose the batch.
+- A `Batch` carries what the trainer and the step's metrics need: the
+  groups, each trained slot (reward, advantage) and its trajectory.
 - Versions: `self.version` is the number of committed optimizer steps, which
   is also the engine's weight version once `commit` runs (the trainer
   updates the engine *before* committing). A group records the version at
@@ -52,7 +59,8 @@ from atelier.harness.trajectory import Trajectory
 from atelier.rl.advantages import group_advantages
 from atelier.rl.config import RolloutConfig
 from atelier.rl.curriculum import Curriculum
-from atelier.rl.ledger import Group, Ledger
+from atelier.rl.ledger import Group, Ledger, Slot
+from atelier.rl.sample import Sample, samples_from_trajectory
 
 DoneCallback = Callable[[str, "Trajectory | None", "BaseException | None"], None]
 
@@ -76,9 +84,39 @@ class RolloutsFailing(AtelierError):
 
 @dataclass
 class Batch:
+    """One optimizer step: its groups and, per ready member, the slot and its trajectory."""
+
     groups: list[Group]
-    slot_ids: list[str]
+    slots: list[Slot]
+    trajectories: dict[str, Trajectory]
     version: int
+
+    @property
+    def slot_ids(self) -> list[str]:
+        return [s.slot_id for s in self.slots]
+
+    def samples(self) -> list[Sample]:
+        """Every slot's trajectory as samples, each with its slot's advantage."""
+        return [sample for slot in self.slots
+                for sample in samples_from_trajectory(self.trajectories[slot.slot_id], slot.advantage or 0.0,
+                                                      slot.group_id)]
+
+
+class FailureBreaker:
+    """Trips after `limit` rollouts in a row failed: the infrastructure is down, not flaky."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.streak = limit, 0
+
+    def success(self) -> None:
+        self.streak = 0
+
+    def failure(self, why: str) -> RolloutsFailing | None:
+        self.streak += 1
+        if self.streak < self.limit:
+            return None
+        return RolloutsFailing(f"{self.streak} rollouts in a row failed; the last: {why}",
+                               hint="check the engine and the sandboxes; the run can be resumed with --resume")
 
 
 @dataclass
@@ -103,7 +141,8 @@ class Reconciler:
         self.running: set[str] = set()
         self.counters = Counters()
         self.fatal: BaseException | None = None
-        self._streak = 0
+        self.breaker = FailureBreaker(max(8, 3 * cfg.workers))
+        self._trajectories: dict[str, Trajectory] = {}   # graded slots' trajectories, until batched
         self._cond = threading.Condition(threading.RLock())
         self._closed = False
         rollouts_dir.mkdir(parents=True, exist_ok=True)
@@ -156,35 +195,39 @@ class Reconciler:
 
     # --- results -----------------------------------------------------------
     def _on_done(self, slot_id: str, traj: Trajectory | None, exc: BaseException | None) -> None:
-        with self._cond:
+        ok = exc is None and traj is not None and traj.reward is not None
+        if ok:  # before the lock: the file exists before the event that points to it
+            traj.save(self._path(slot_id))
+        with self.ledger.deferred_sync(), self._cond:  # the fsync runs after the lock is released
             self.running.discard(slot_id)
             if self._closed:
                 return
             slot = self.ledger.slots[slot_id]
-            if exc is not None or traj is None or traj.reward is None:
-                why = _describe(exc) if exc is not None else "the environment returned no reward"
-                self.counters.failures += 1
-                self._streak += 1
-                if slot.attempt < self.cfg.max_retries:
-                    self.ledger.set(slot_id, "queued", attempt=slot.attempt + 1, failure=why)
-                else:
-                    self.ledger.set(slot_id, "dropped", reason=f"infrastructure: {why}", failure=why)
-                if self._streak >= max(8, 3 * self.cfg.workers):
-                    self.fatal = RolloutsFailing(
-                        f"{self._streak} rollouts in a row failed; the last: {why}",
-                        hint="check the engine and the sandboxes; the run can be resumed with --resume")
+            if ok:
+                self._graded(slot, traj)
             else:
-                self._streak = 0
-                traj.save(self.rollouts_dir / f"{_fname(slot_id)}.json")
-                sampled = sum(seg.sampled_tokens for seg in traj.segments)
-                self.counters.gen_tokens += sampled
-                self.counters.rollouts += 1
-                self.ledger.set(slot_id, "graded", reward=traj.reward,
-                                passed=bool(traj.reward_parts.get("pass", 0.0) >= 1.0),
-                                turns=traj.turns, tokens=sampled)
+                self._failed(slot, _describe(exc) if exc is not None else "the environment returned no reward")
             self._maybe_complete(self.ledger.groups[slot.group_id])
             self._pump()
             self._cond.notify_all()
+
+    def _graded(self, slot: Slot, traj: Trajectory) -> None:
+        self.breaker.success()
+        self._trajectories[slot.slot_id] = traj
+        sampled = sum(seg.sampled_tokens for seg in traj.segments)
+        self.counters.gen_tokens += sampled
+        self.counters.rollouts += 1
+        self.ledger.set(slot.slot_id, "graded", reward=traj.reward,
+                        passed=bool(traj.reward_parts.get("pass", 0.0) >= 1.0), turns=traj.turns, tokens=sampled)
+
+    def _failed(self, slot: Slot, why: str) -> None:
+        """An infrastructure failure: retried up to `max_retries` times, then dropped, never scored."""
+        self.counters.failures += 1
+        if slot.attempt < self.cfg.max_retries:
+            self.ledger.set(slot.slot_id, "queued", attempt=slot.attempt + 1, failure=why)
+        else:
+            self.ledger.set(slot.slot_id, "dropped", reason=f"infrastructure: {why}", failure=why)
+        self.fatal = self.fatal or self.breaker.failure(why)
 
     def _maybe_complete(self, group: Group) -> None:
         slots = self.ledger.group_slots(group.group_id)
@@ -194,6 +237,8 @@ class Reconciler:
         if len(valid) < min(self.cfg.min_valid, group.size):
             self.ledger.drop_group(group.group_id, f"only {len(valid)} of {group.size} rollouts "
                                                    f"survived infrastructure failures")
+            for s in slots:
+                self._trajectories.pop(s.slot_id, None)
             return
         advantages = group_advantages([s.reward for s in valid])
         for s, adv in zip(valid, advantages):
@@ -219,8 +264,8 @@ class Reconciler:
         floor = self.version + 1 - self.staleness
         if any(g.admitted_version < floor for g in untrained if g.group_id not in ids):
             return None  # an older group would exceed the bound later: wait for it
-        slot_ids = [s.slot_id for g in chosen for s in self.ledger.group_slots(g.group_id) if s.state == "ready"]
-        return Batch(chosen, slot_ids, self.version)
+        slots = [s for g in chosen for s in self.ledger.group_slots(g.group_id) if s.state == "ready"]
+        return Batch(chosen, slots, {}, self.version)
 
     def finished(self) -> bool:
         with self._cond:
@@ -239,15 +284,20 @@ class Reconciler:
                     return None
                 batch = self._trainable()
                 if batch is not None:
-                    return batch
+                    held = {sid: self._trajectories.pop(sid, None) for sid in batch.slot_ids}
+                    break
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError("no batch became ready in time")
                 self._cond.wait(timeout=1.0 if left is None else min(left, 1.0))
+        # Outside the lock: slots graded before a restart have their trajectory on disk only.
+        batch.trajectories = {sid: traj if traj is not None else self.load_trajectory(sid)
+                              for sid, traj in held.items()}
+        return batch
 
     def commit(self, batch: Batch, step: int) -> None:
         """Mark the batch trained by `step` and advance the version (weights are live)."""
-        with self._cond:
+        with self.ledger.deferred_sync(), self._cond:
             for sid in batch.slot_ids:
                 if self.ledger.slots[sid].state != "trained":
                     self.ledger.set(sid, "trained", step=step)
@@ -265,8 +315,11 @@ class Reconciler:
             self._closed = True
             self._cond.notify_all()
 
+    def _path(self, slot_id: str) -> Path:
+        return self.rollouts_dir / f"{_fname(slot_id)}.json"
+
     def load_trajectory(self, slot_id: str) -> Trajectory:
-        return Trajectory.load(self.rollouts_dir / f"{_fname(slot_id)}.json")
+        return Trajectory.load(self._path(slot_id))
 
 
 def _fname(slot_id: str) -> str:

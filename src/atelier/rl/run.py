@@ -42,7 +42,6 @@ from atelier.rl.env import make_environment
 from atelier.rl.ledger import Ledger
 from atelier.rl.metrics import MetricsWriter, make_loggers, step_metrics
 from atelier.rl.reconciler import Batch, Reconciler
-from atelier.rl.sample import samples_from_trajectory
 from atelier.rl.weight_sync import WeightSync, make_weight_sync
 
 
@@ -206,16 +205,12 @@ def sync_root(config: TrainConfig, run_dir: Path) -> Path | None:
 def train_step(run: Run, batch: Batch, *, idle_s: float) -> dict[str, Any]:
     """One step, in the commit order of the module docstring; returns its metrics record."""
     busy_from = time.perf_counter()
-    config, trainer, ledger = run.config, run.trainer, run.ledger
-    trajs = {sid: run.reconciler.load_trajectory(sid) for sid in batch.slot_ids}
-    samples = [s for sid, traj in trajs.items()
-               for s in samples_from_trajectory(traj, ledger.slots[sid].advantage or 0.0,
-                                                ledger.slots[sid].group_id)]
-    train = trainer.train_step(samples)
+    config, trainer = run.config, run.trainer
+    train = trainer.train_step(batch.samples())
     step = trainer.step
     if step % config.trainer.checkpoint_every == 0:
         save_checkpoint(run.run_dir, step, trainer, run.tokenizer,
-                        {"trained_slots": batch.slot_ids, "cursor": sorted(ledger.task_ids())})
+                        {"trained_slots": batch.slot_ids, "cursor": sorted(run.ledger.task_ids())})
     sync = run.weights.publish(_published(trainer.state_dict(), config.sync.dtype), step)
     swap_from = time.perf_counter()
     run.backend.update_weights(step)
@@ -224,8 +219,8 @@ def train_step(run: Run, batch: Batch, *, idle_s: float) -> dict[str, Any]:
     busy_s = time.perf_counter() - busy_from
     run.idle_s += idle_s
     run.busy_s += busy_s
-    record = step_metrics(step=step, batch_groups=[g.group_id for g in batch.groups], trajs=trajs,
-                          ledger=ledger, train=train, sync=sync, engine_swap_s=engine_swap_s,
+    record = step_metrics(step=step, batch=batch, ledger_counts=run.ledger.counts(), train=train,
+                          sync=sync, engine_swap_s=engine_swap_s,
                           counters=run.reconciler.take_counters(), idle_s=idle_s, busy_s=busy_s,
                           wall_s=time.perf_counter() - run.started, mode=config.rollout.mode)
     run.metrics.write(record)

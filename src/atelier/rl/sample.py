@@ -29,11 +29,6 @@ class Sample:
         if not (len(self.loss_mask) == len(self.logprobs) == len(self.versions) == n):
             raise ValueError("sample fields must all have one entry per token")
 
-    @property
-    def oldest_version(self) -> int:
-        sampled = [v for v, m in zip(self.versions, self.loss_mask) if m]
-        return min(sampled) if sampled else -1
-
 
 def samples_from_trajectory(traj: Trajectory, advantage: float, group_id: str) -> list[Sample]:
     """One sample per segment that has at least one sampled token."""
