@@ -55,9 +55,25 @@ class TrainerConfig(AtelierConfig):
     """Stop after this many steps (0: when the tasks run out; single epoch either way)."""
     checkpoint_every: int = Field(1, ge=1)
     threads: int = Field(1, ge=1)
-    """torch CPU threads of the run (process-wide: the engine shares them in the one-process
-    launcher); `run_training` sets them at its start and restores them at its end."""
+    """torch CPU threads of the run, per rank (process-wide: the engine shares them in the
+    one-process launcher); `run_training` sets them at its start and restores them at its end."""
     dtype: Literal["float32", "bfloat16"] = "float32"
+    """The weights' storage type. Keep float32 and use `precision` for bf16 compute (fp32 masters)."""
+    ranks: int = Field(1, ge=1)
+    """Data-parallel trainer ranks (FSDP2). `atelier train` starts them itself on this machine
+    (or as Ray actors with launcher = "ray"); 1 is the single-process trainer."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: a GPU per rank when torch sees one, else the CPU (gloo)."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """bf16: bf16 compute, fp32 master weights and gradient reduction. auto: bf16 on a GPU that has
+    it, fp32 on the CPU, where the built-in sampler computes in fp32 and bf16 training would add a
+    sampler/trainer mismatch that the importance weights then absorb."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer in the backward instead of keeping its activations."""
+    logprob_chunk: int = Field(512, ge=1)
+    """Positions per chunk of the logprob/entropy computation (memory: one [B, chunk, V] block)."""
+    timeout_s: float = Field(600.0, gt=0)
+    """Longest wait of any collective between ranks; a dead or hung rank stops the job after it."""
 
 
 class SyncConfig(AtelierConfig):

@@ -1,4 +1,4 @@
-"""The trainer: full-parameter AdamW on a Hugging Face causal LM.
+"""The trainer: full-parameter AdamW on a Hugging Face causal LM, on one rank or N.
 
 Legend: B = sequences in a micro-batch, T = tokens (padded), V = vocabulary.
 
@@ -8,7 +8,17 @@ the *current* weights (never reusing the sampler's — PITFALLS: setting old
 logprobs equal to rollout logprobs made the correction a no-op), computes
 the loss of `atelier.rl.loss` against the sampler's logprobs, and steps.
 Logprobs are those of log_softmax(logits / temperature), the same quantity
-the engine reports (see atelier.inference.sampling).
+the engine reports (see atelier.inference.sampling), computed in chunks of
+`logprob_chunk` positions so no fp32 [B, T, V] is ever held.
+
+With `trainer.ranks = N` every rank builds a `Trainer` and calls
+`train_step` with the *same* list of samples (the launcher broadcasts it):
+each rank trains the share `atelier.distributed.step_plan` gives it (token-
+balanced, the same number of micro-batches everywhere), FSDP2 sums the
+gradients, and the loss divides by the one constant `norm_tokens`, so N
+ranks take the one-rank step (tests/rl/test_distributed.py checks it).
+Metrics are summed across ranks; the staleness histogram is computed from
+all samples on every rank.
 
 The policy version is the number of optimizer steps taken: the weights after
 step k are version k. Staleness of a token trained at step k is
@@ -24,45 +34,53 @@ from typing import Any
 
 import torch
 
+from atelier import distributed as D
 from atelier.rl.config import TrainerConfig
 from atelier.rl.loss import LossInputs, policy_loss
 from atelier.rl.sample import Sample
 
+METRIC_SUMS = ("loss", "tokens", "is_weight_mean", "is_truncated_frac", "kl_k1", "sampler_mismatch", "entropy")
+
 
 def token_logprobs(model, ids_BT: torch.Tensor, attn_BT: torch.Tensor, temperature: float,
-                   want_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(token_t | tokens_<t) for t >= 1 (position 0 gets 0), and per-token entropy."""
-    logits_BTV = model(input_ids=ids_BT, attention_mask=attn_BT).logits.float() / temperature
-    logp_BTV = torch.log_softmax(logits_BTV[:, :-1], dim=-1)
-    picked_BT = logp_BTV.gather(-1, ids_BT[:, 1:, None]).squeeze(-1)
-    zero_B1 = torch.zeros_like(picked_BT[:, :1])
-    entropy = None
-    if want_entropy:
-        with torch.no_grad():
-            ent_BT = -(logp_BTV.exp() * logp_BTV).sum(-1)
-            entropy = torch.cat([zero_B1, ent_BT], dim=1)
-    return torch.cat([zero_B1, picked_BT], dim=1), entropy
+                   want_entropy: bool = False, chunk: int = D.LOGPROB_CHUNK
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(token_t | tokens_<t) for t >= 1 (position 0 gets 0), and per-token entropy.
+
+    `model` is a Hugging Face causal LM or a `PolicyHead` around one (the trainer's).
+    """
+    head = model if isinstance(model, D.PolicyHead) else D.PolicyHead(model, chunk)
+    return head(ids_BT, attn_BT, temperature, want_entropy)
 
 
 class Trainer:
     def __init__(self, model_dir: str | Path, cfg: TrainerConfig, *, temperature: float = 1.0,
-                 step: int = 0) -> None:
+                 step: int = 0, ranks: D.Ranks | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         self.cfg, self.temperature, self.step = cfg, temperature, step
+        self.ranks = ranks or D.init_ranks(cfg.device, cfg.timeout_s)
+        self.precision = D.resolve_precision(cfg.precision, self.ranks.device)
         dtype = getattr(torch, cfg.dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-        self.model.train()
+        lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        lm.train()
+        self.head = D.shard(D.PolicyHead(lm, cfg.logprob_chunk), self.ranks, self.precision,
+                            activation_checkpointing=cfg.activation_checkpointing)
+        self.model = self.head.lm   # the Hugging Face model (sharded parameters when ranks > 1)
         self.ref = None
         if cfg.kl_beta > 0:
-            self.ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-            self.ref.requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas,
+            ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+            ref.requires_grad_(False)
+            self.ref = D.shard(D.PolicyHead(ref, cfg.logprob_chunk), self.ranks, self.precision)
+        self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, betas=cfg.betas,
                                            weight_decay=cfg.weight_decay)
-        pad = getattr(self.model.config, "pad_token_id", None)
+        pad = getattr(lm.config, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else 0
 
     def _collate(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
+        """Pad to the longest sample; an empty list is one all-masked placeholder (see step_plan)."""
+        if not samples:
+            samples = [Sample([self.pad_id] * 2, [0, 0], [0.0, 0.0], [-1, -1], 0.0, "", "")]
         T = max(len(s.token_ids) for s in samples)
         B = len(samples)
         ids = torch.full((B, T), self.pad_id, dtype=torch.long)
@@ -77,64 +95,91 @@ class Trainer:
             mu[i, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
         mask[:, 0] = 0.0  # nothing predicts the first token
         adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-        return {"ids": ids, "attn": attn, "mask": mask, "mu": mu, "adv": adv}
+        dev = self.ranks.device
+        return {"ids": ids.to(dev), "attn": attn.to(dev), "mask": mask.to(dev), "mu": mu.to(dev),
+                "adv": adv.to(dev)}
 
     def train_step(self, samples: list[Sample]) -> dict[str, Any]:
-        """One optimizer step over `samples`; returns metrics. Advances `self.step` by one."""
+        """One optimizer step over `samples` (the same list on every rank); returns metrics."""
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        totals: Counter[str] = Counter()
+        sums: Counter[str] = Counter()
+        ratio_max, neg_ratio_min = 0.0, float("-inf")
+        plan = D.step_plan([len(s.token_ids) for s in samples], self.ranks.world, self.ranks.rank,
+                           self.cfg.micro_batch)
+        with D.named_failure(f"trainer step {self.step + 1}"):
+            for indices in plan:
+                batch = self._collate([samples[i] for i in indices])
+                with D.compute_context(self.ranks, self.precision):
+                    logp_BT, ent_BT = self.head(batch["ids"], batch["attn"], self.temperature, True)
+                    ref_BT = None
+                    if self.ref is not None:
+                        with torch.no_grad():
+                            ref_BT, _ = self.ref(batch["ids"], batch["attn"], self.temperature)
+                loss, m = policy_loss(LossInputs(logp_BT, batch["mu"], batch["adv"], batch["mask"], ref_BT),
+                                      is_cap=self.cfg.is_cap, kl_beta=self.cfg.kl_beta,
+                                      norm_tokens=self.cfg.norm_tokens)
+                (loss * D.grad_scale(self.ranks)).backward()
+                tok = m["tokens"]
+                sums["loss"] += m["loss"]
+                sums["tokens"] += tok
+                for key in ("is_weight_mean", "is_truncated_frac", "kl_k1", "sampler_mismatch"):
+                    sums[key] += m[key] * tok
+                sums["entropy"] += float((ent_BT * batch["mask"]).sum())
+                if tok:
+                    ratio_max = max(ratio_max, m["is_ratio_max"])
+                    neg_ratio_min = max(neg_ratio_min, -m["is_ratio_min"])
+            grad_norm = D.clip_grad_norm(self.head.parameters(), self.cfg.max_grad_norm)
+            self.optimizer.step()
+            totals = dict(zip(METRIC_SUMS, D.all_reduce_sum([sums[k] for k in METRIC_SUMS], self.ranks)))
+            ratio_max, neg_ratio_min = D.all_reduce_max([ratio_max, neg_ratio_min], self.ranks)
         staleness: Counter[int] = Counter()
-        ratio_max, ratio_min = 0.0, float("inf")
-        ent_sum = 0.0
-        n_tokens = 0.0
-        for i in range(0, len(samples), self.cfg.micro_batch):
-            chunk = samples[i:i + self.cfg.micro_batch]
-            batch = self._collate(chunk)
-            logp_BT, ent_BT = token_logprobs(self.model, batch["ids"], batch["attn"], self.temperature, True)
-            ref_BT = None
-            if self.ref is not None:
-                with torch.no_grad():
-                    ref_BT, _ = token_logprobs(self.ref, batch["ids"], batch["attn"], self.temperature)
-            loss, m = policy_loss(LossInputs(logp_BT, batch["mu"], batch["adv"], batch["mask"], ref_BT),
-                                  is_cap=self.cfg.is_cap, kl_beta=self.cfg.kl_beta,
-                                  norm_tokens=self.cfg.norm_tokens)
-            loss.backward()
-            tok = m["tokens"]
-            n_tokens += tok
-            totals["loss"] += m["loss"]
-            for key in ("is_weight_mean", "is_truncated_frac", "kl_k1", "sampler_mismatch"):
-                totals[key] += m[key] * tok
-            ratio_max, ratio_min = max(ratio_max, m["is_ratio_max"]), min(ratio_min, m["is_ratio_min"])
-            ent_sum += float((ent_BT * batch["mask"]).sum())
-            for s in chunk:
-                for v, mk in zip(s.versions[1:], s.loss_mask[1:]):
-                    if mk:
-                        staleness[self.step - v] += 1
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm))
-        self.optimizer.step()
+        for s in samples:
+            for v, mk in zip(s.versions[1:], s.loss_mask[1:]):
+                if mk:
+                    staleness[self.step - v] += 1
         self.step += 1
+        n_tokens = totals["tokens"]
         n = max(n_tokens, 1.0)
         seconds = time.perf_counter() - start
         return {
             "loss": totals["loss"], "grad_norm": grad_norm, "train_tokens": n_tokens,
             "train_seconds": seconds, "train_tokens_per_s": n_tokens / seconds if seconds else 0.0,
             "is_weight_mean": totals["is_weight_mean"] / n, "is_truncated_frac": totals["is_truncated_frac"] / n,
-            "is_ratio_max": ratio_max, "is_ratio_min": ratio_min if n_tokens else 1.0,
+            "is_ratio_max": ratio_max if n_tokens else 1.0, "is_ratio_min": -neg_ratio_min if n_tokens else 1.0,
             "kl_k1": totals["kl_k1"] / n, "sampler_mismatch": totals["sampler_mismatch"] / n,
-            "entropy": ent_sum / n, "staleness_hist": {str(k): v for k, v in sorted(staleness.items())},
-            "staleness_max": max(staleness) if staleness else 0,
+            "entropy": totals["entropy"] / n, "staleness_hist": {str(k): v for k, v in sorted(staleness.items())},
+            "staleness_max": max(staleness) if staleness else 0, "ranks": self.ranks.world,
         }
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.model.state_dict()
+    def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """The full weights under Hugging Face names, on rank 0 (collective; empty on other ranks)."""
+        with D.named_failure("gathering the weights"):
+            state = D.full_state_dict(self.head, self.ranks, dtype)
+        return {k.removeprefix("lm."): v for k, v in state.items()}
 
     # --- checkpoints (see atelier.rl.checkpoint for the layout) -----------
     def save(self, out_dir: Path, tokenizer=None) -> None:
-        self.model.save_pretrained(out_dir / "model")
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out_dir / "model")
-        torch.save(self.optimizer.state_dict(), out_dir / "optimizer.pt")
+        """model/ (Hugging Face, written by rank 0) and the optimizer: optimizer.pt on one rank,
+        a torch.distributed.checkpoint directory `sharded/` (model and optimizer) on N. Collective."""
+        state = self.state_dict()
+        if self.ranks.main:
+            self.model.save_pretrained(out_dir / "model", state_dict=state)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(out_dir / "model")
+        if self.ranks.sharded:
+            with D.named_failure("writing the sharded checkpoint"):
+                D.save_sharded(out_dir / "sharded", self.head, self.optimizer)
+        else:
+            torch.save(self.optimizer.state_dict(), out_dir / "optimizer.pt")
 
     def load_optimizer(self, ckpt_dir: Path) -> None:
-        self.optimizer.load_state_dict(torch.load(ckpt_dir / "optimizer.pt", weights_only=True))
+        if (ckpt_dir / "sharded").is_dir():
+            with D.named_failure("reading the sharded checkpoint"):
+                D.load_sharded(ckpt_dir / "sharded", self.head, self.optimizer)
+            return
+        if self.ranks.sharded:
+            raise D.DistributedError(f"{ckpt_dir} was written by one trainer rank; it holds no sharded state",
+                                     hint="resume it with --set trainer.ranks=1")
+        self.optimizer.load_state_dict(torch.load(ckpt_dir / "optimizer.pt", weights_only=True,
+                                                  map_location=self.ranks.device))

@@ -1,0 +1,387 @@
+"""Data-parallel ranks on PyTorch's own engine: process groups, FSDP2, bf16, balanced packing.
+
+Legend: B = sequences, T = tokens, C = tokens in one logprob chunk, V = vocabulary, H = hidden.
+
+The trainers (`atelier.rl.trainer`, `atelier.pretrain.train`) call these
+functions and never branch on the number of ranks themselves:
+
+- `init_ranks(device, timeout_s)` reads torchrun's environment contract
+  (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and joins the
+  process group: NCCL on CUDA, gloo on the CPU. Every collective inherits
+  `timeout_s`: a rank that dies or hangs makes the others raise instead of
+  waiting forever (PITFALLS: collectives with no timeout hung the job). With
+  WORLD_SIZE unset or 1 nothing is initialised and the model is left
+  unwrapped: one rank is exactly the single-process trainer.
+- `PolicyHead` wraps a Hugging Face causal LM so that one forward returns the
+  per-token logprobs (and entropy) of the given ids, computed over chunks of
+  C positions under activation checkpointing: the fp32 [B, T, V] log-softmax
+  is never in memory, only one [B, C, V] chunk at a time, in the forward and
+  in the backward (PITFALLS: a whole-vocabulary fp32 log-softmax ran trainers
+  out of memory).
+- `shard(head, ranks, precision)` applies `fully_shard` to every decoder
+  layer and then to the head (the root, which owns embeddings, final norm and
+  lm_head, tied or not), with `MixedPrecisionPolicy(param_dtype=bf16,
+  reduce_dtype=fp32)` for bf16: compute in bf16, fp32 master weights, fp32
+  gradient reduction. FSDP averages gradients over ranks; the trainers
+  multiply each backward by `grad_scale(ranks)` (the world size) so the
+  reduction is a *sum*: the losses divide by one global constant, and the sum
+  over ranks of each rank's gradient is the one-rank gradient (PITFALLS:
+  per-rank normalisation changes the objective with the number of ranks).
+  (FSDP's own divide factor needs NCCL's PreMulSum, which gloo lacks.) On one rank bf16 is
+  `torch.autocast`, the same arithmetic without a process group.
+- `balanced_partition(lengths, world)` packs a step's samples into per-rank
+  lists of nearly equal token counts (longest first onto the lightest rank,
+  the report's global sequence packing); `micro_batches` then cuts each
+  rank's list into micro-batches, and every rank runs the *same number* of
+  forward/backward passes (FSDP's collectives need that), padding with empty
+  micro-batches whose loss mask is all zero.
+- `full_state_dict(model)` gathers the full, unsharded weights on rank 0 (for
+  publishing to inference and for Hugging Face checkpoints); the other ranks
+  get an empty dict. `save_sharded` / `load_sharded` write and read model and
+  optimizer with `torch.distributed.checkpoint` (each rank its own shards).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+
+from atelier.errors import AtelierError
+
+DEFAULT_TIMEOUT_S = 600.0
+LOGPROB_CHUNK = 512
+
+
+class DistributedError(AtelierError):
+    """A rank died, a collective timed out, or the ranks were set up wrong."""
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def sharded(self) -> bool:
+        return self.world > 1
+
+
+def pick_device(choice: str, local_rank: int = 0) -> torch.device:
+    """'auto' takes the GPU when torch sees one; rank r uses GPU r of its node."""
+    if choice not in ("auto", "cpu", "cuda"):
+        raise AtelierError(f"unknown device {choice!r}", hint="use auto, cpu or cuda")
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda":
+        if not torch.cuda.is_available():
+            raise AtelierError('device = "cuda" but torch sees no GPU', hint='use device = "auto" or "cpu"')
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """'auto' is bf16 where the hardware does it fast (CUDA with bf16, CPUs with AMX), else fp32."""
+    if precision in ("fp32", "bf16"):
+        return precision
+    if precision != "auto":
+        raise AtelierError(f"unknown precision {precision!r}", hint="use auto, fp32 or bf16")
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    return "bf16" if _cpu_has_amx() else "fp32"
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags
+
+
+def env_world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_ranks(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> Ranks:
+    """Join the process group named by torchrun's environment variables (none: one rank)."""
+    import torch.distributed as dist
+
+    world = env_world()
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    dev = pick_device(device, local_rank)
+    if world > 1 and not dist.is_initialized():
+        for key in ("MASTER_ADDR", "MASTER_PORT"):
+            if key not in os.environ:
+                raise DistributedError(f"WORLD_SIZE={world} but {key} is not set",
+                                       hint="start the ranks with `atelier train --set trainer.ranks=N` "
+                                            "or torchrun, which set the rendezvous")
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        kwargs: dict[str, Any] = {}
+        if dev.type == "cuda":
+            kwargs["device_id"] = dev
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    return Ranks(rank, world, local_rank, dev)
+
+
+def close_ranks() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --- the model: chunked logprobs behind one forward -----------------------------
+
+def _chunk_logprobs(hidden_BCH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None,
+                    targets_BC: torch.Tensor, temperature: float, want_entropy: bool):
+    logits_BCV = nn.functional.linear(hidden_BCH, weight_VH, bias_V).float() / temperature
+    lse_BC = torch.logsumexp(logits_BCV, dim=-1)
+    picked_BC = logits_BCV.gather(-1, targets_BC[..., None]).squeeze(-1) - lse_BC
+    if not want_entropy:
+        return picked_BC, torch.zeros_like(picked_BC)
+    with torch.no_grad():
+        p_BCV = torch.softmax(logits_BCV, dim=-1)
+        ent_BC = lse_BC.detach() - (p_BCV * logits_BCV.detach()).sum(-1)
+    return picked_BC, ent_BC
+
+
+def chunked_token_logprobs(hidden_BTH: torch.Tensor, lm_head: nn.Linear, ids_BT: torch.Tensor,
+                           temperature: float, want_entropy: bool = False,
+                           chunk: int = LOGPROB_CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(ids[t] | ids[<t]) from the final hidden states, C positions at a time.
+
+    Position 0 gets 0 (nothing predicts it). Each chunk's logits are recomputed
+    in the backward (checkpointed), so memory holds one [B, C, V] block.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    h_BTH = hidden_BTH[:, :-1]
+    targets_BT = ids_BT[:, 1:]
+    picked, ents = [], []
+    needs_grad = torch.is_grad_enabled() and (h_BTH.requires_grad or lm_head.weight.requires_grad)
+    for s in range(0, h_BTH.shape[1], chunk):
+        args = (h_BTH[:, s:s + chunk], lm_head.weight, lm_head.bias, targets_BT[:, s:s + chunk],
+                temperature, want_entropy)
+        if needs_grad:
+            lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+        else:
+            lp, ent = _chunk_logprobs(*args)
+        picked.append(lp)
+        ents.append(ent)
+    zero_B1 = torch.zeros(ids_BT.shape[0], 1, dtype=torch.float32, device=ids_BT.device)
+    logp_BT = torch.cat([zero_B1, *picked], dim=1)
+    entropy_BT = torch.cat([zero_B1, *ents], dim=1).detach() if want_entropy else None
+    return logp_BT, entropy_BT
+
+
+class PolicyHead(nn.Module):
+    """A causal LM whose forward returns token logprobs (and entropy), never full logits.
+
+    It is the FSDP root: its forward runs inside FSDP's hooks, so the
+    embeddings and lm_head are unsharded while the chunked projection runs.
+    """
+
+    def __init__(self, lm: nn.Module, chunk: int = LOGPROB_CHUNK) -> None:
+        super().__init__()
+        self.lm = lm
+        self.chunk = chunk
+
+    def forward(self, ids_BT: torch.Tensor, attn_BT: torch.Tensor, temperature: float = 1.0,
+                want_entropy: bool = False):
+        base = self.lm.get_decoder() if hasattr(self.lm, "get_decoder") else self.lm.model
+        hidden_BTH = base(input_ids=ids_BT, attention_mask=attn_BT, use_cache=False).last_hidden_state
+        return chunked_token_logprobs(hidden_BTH, self.lm.get_output_embeddings(), ids_BT, temperature,
+                                      want_entropy, self.chunk)
+
+
+def decoder_layers(lm: nn.Module) -> list[nn.Module]:
+    base = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise DistributedError(f"cannot find the decoder layers of {type(lm).__name__}",
+                               hint="FSDP wraps `model.model.layers` (Llama, Qwen, Mistral and alike)")
+    return list(layers)
+
+
+def shard(head: PolicyHead, ranks: Ranks, precision: str, *, activation_checkpointing: bool = False,
+          reshard_after_forward: bool = True) -> PolicyHead:
+    """FSDP2 per decoder layer, then the root; mixed precision; optional per-layer checkpointing."""
+    if activation_checkpointing:
+        enable = getattr(head.lm, "activation_checkpointing_enable", None) or head.lm.gradient_checkpointing_enable
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not ranks.sharded:
+        return head.to(ranks.device)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    head.to(ranks.device)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if precision == "bf16" else MixedPrecisionPolicy()
+    for layer in decoder_layers(head.lm):
+        fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(head, mp_policy=mp)
+    return head
+
+
+def grad_scale(ranks: Ranks) -> float:
+    """What each rank's loss is multiplied by before backward so FSDP's mean over ranks is a sum."""
+    return float(ranks.world)
+
+
+def compute_context(ranks: Ranks, precision: str):
+    """bf16 autocast on one rank (FSDP's policy does the casting on many); else nothing."""
+    if precision == "bf16" and not ranks.sharded:
+        return torch.autocast(device_type=ranks.device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+# --- balanced steps --------------------------------------------------------------
+
+def balanced_partition(lengths: list[int], world: int) -> list[list[int]]:
+    """Indices per rank, longest first onto the rank with the fewest tokens (ties: lowest rank).
+
+    Deterministic, so every rank computes the same partition from the same batch.
+    """
+    loads = [0] * world
+    parts: list[list[int]] = [[] for _ in range(world)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(world), key=lambda r: (loads[r], r))
+        parts[r].append(i)
+        loads[r] += lengths[i]
+    return [sorted(p) for p in parts]
+
+
+def micro_batches(indices: list[int], size: int, count: int) -> list[list[int]]:
+    """`indices` cut into `count` micro-batches of at most `size`; the tail ones may be empty."""
+    out = [indices[i:i + size] for i in range(0, len(indices), size)]
+    if len(out) > count:
+        raise ValueError(f"{len(indices)} samples do not fit {count} micro-batches of {size}")
+    return out + [[] for _ in range(count - len(out))]
+
+
+def step_plan(lengths: list[int], world: int, rank: int, micro_batch: int) -> list[list[int]]:
+    """This rank's micro-batches (indices into the step's samples); the same count on every rank."""
+    parts = balanced_partition(lengths, world)
+    count = max(1, max(-(-len(p) // micro_batch) for p in parts))
+    return micro_batches(parts[rank], micro_batch, count)
+
+
+# --- collectives -------------------------------------------------------------------
+
+def all_reduce_sum(values: list[float], ranks: Ranks) -> list[float]:
+    if not ranks.sharded:
+        return list(values)
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=ranks.device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def all_reduce_max(values: list[float], ranks: Ranks) -> list[float]:
+    if not ranks.sharded:
+        return list(values)
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=ranks.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def broadcast_object(obj: Any, ranks: Ranks) -> Any:
+    """Rank 0's `obj` on every rank (pickled; the small per-step messages of the launcher)."""
+    if not ranks.sharded:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj if ranks.main else None]
+    dist.broadcast_object_list(box, src=0, device=ranks.device if ranks.device.type == "cuda" else None)
+    return box[0]
+
+
+def barrier(ranks: Ranks) -> None:
+    if ranks.sharded:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def clip_grad_norm(params, max_norm: float) -> float:
+    """Global gradient norm (across shards and ranks) and clipping; DTensor-aware."""
+    norm = torch.nn.utils.clip_grad_norm_(list(params), max_norm)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+# --- weights out and checkpoints ----------------------------------------------------
+
+def full_state_dict(module: nn.Module, ranks: Ranks, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The whole model's weights on rank 0, on the CPU (empty on other ranks).
+
+    Collective when sharded: every rank must call it.
+    """
+    if ranks.sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    return state
+
+
+def save_sharded(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Model and optimizer state with torch.distributed.checkpoint: each rank writes its shards."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+
+
+def load_sharded(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The Hugging Face model inside a `PolicyHead` (for save_pretrained, config, generation)."""
+    return module.lm if isinstance(module, PolicyHead) else module
+
+
+@contextlib.contextmanager
+def named_failure(what: str) -> Iterator[None]:
+    """Turn a collective's failure (a dead or hung rank) into a `DistributedError` that says so."""
+    try:
+        yield
+    except (RuntimeError, TimeoutError) as exc:
+        text = str(exc)
+        markers = ("Connection closed", "Connection reset", "connection", "timed out", "Timed out",
+                   "Timeout", "Broken pipe", "NCCL communicator", "peer")
+        if any(m in text for m in markers):
+            raise DistributedError(f"{what}: another rank died or stopped answering ({text.splitlines()[0]})",
+                                   hint="the whole job stops; continue it with --resume RUN_DIR") from exc
+        raise

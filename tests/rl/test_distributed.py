@@ -1,0 +1,103 @@
+"""N trainer ranks (FSDP2 over gloo, real processes) take exactly the one-rank step.
+
+Also: chunked logprobs equal the unchunked log-softmax (values, entropy and
+gradients), and the token-balanced partition is balanced and deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from atelier import distributed as D
+from atelier.launch import RankFailed, run_ranks
+from atelier.rl.trainer import token_logprobs
+from tests.rl.dist_worker import run
+
+ROOT = Path(__file__).parents[2]
+
+
+def rank_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]), "OMP_NUM_THREADS": "1"}
+
+
+def assert_rel(a: float, b: float, tol: float = 1e-5) -> None:
+    assert abs(a - b) <= tol * max(abs(a), abs(b), 1e-12), (a, b)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_logprobs_equal_the_whole_log_softmax(tiny_model_dir, temperature):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (3, 23), generator=g)
+    attn = torch.ones_like(ids)
+    attn[1, 17:] = 0
+    logits = model(input_ids=ids, attention_mask=attn).logits.float() / temperature
+    whole = torch.log_softmax(logits[:, :-1], -1)
+    want = torch.cat([torch.zeros(3, 1), whole.gather(-1, ids[:, 1:, None]).squeeze(-1)], 1)
+    want_ent = torch.cat([torch.zeros(3, 1), -(whole.exp() * whole).sum(-1)], 1)
+    (want * attn).sum().backward()
+    want_grad = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    for chunk in (1, 5, 22, 512):
+        got, ent = token_logprobs(model, ids, attn, temperature, want_entropy=True, chunk=chunk)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent, want_ent, rtol=1e-5, atol=1e-5)
+        (got * attn).sum().backward()
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, want_grad[n], rtol=1e-4, atol=1e-5)
+        model.zero_grad()
+
+
+def test_balanced_partition_balances_tokens_and_every_rank_runs_the_same_passes():
+    lengths = [100, 7, 53, 53, 9, 200, 31, 64, 12, 80, 5]
+    parts = D.balanced_partition(lengths, 3)
+    assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
+    loads = [sum(lengths[i] for i in p) for p in parts]
+    assert max(loads) - min(loads) <= max(lengths)            # the greedy bound
+    assert max(loads) <= sum(lengths) / 3 + max(lengths)
+    assert D.balanced_partition(lengths, 3) == parts          # every rank computes the same plan
+    plans = [D.step_plan(lengths, 3, r, micro_batch=2) for r in range(3)]
+    assert len({len(p) for p in plans}) == 1                  # same number of forward/backward passes
+    assert sorted(i for p in plans for mb in p for i in mb) == list(range(len(lengths)))
+    assert D.step_plan([5, 6], 4, 3, micro_batch=8) == [[]]  # more ranks than samples: an empty pass
+    assert D.step_plan(lengths, 1, 0, micro_batch=4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]
+
+
+def test_two_ranks_take_the_one_rank_step(tiny_model_dir, tmp_path):
+    """RL loss with KL, 2 steps: the same loss, grad norm and weights (fp32, 1e-5 relative)."""
+    spec = {"model": str(tiny_model_dir), "samples": 9, "steps": 2,
+            "trainer": {"lr": 1e-3, "norm_tokens": 64, "micro_batch": 3, "precision": "fp32",
+                        "logprob_chunk": 7, "kl_beta": 0.05}}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    one, state_one = run(spec, None)
+    run_ranks(["-m", "tests.rl.dist_worker", str(tmp_path / "spec.json"), str(tmp_path / "out")], 2,
+              env=rank_env())
+    two = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    state_two = torch.load(tmp_path / "out" / "state.pt")
+    for a, b in zip(one, two):
+        assert b["ranks"] == 2 and a["ranks"] == 1
+        for key in ("loss", "grad_norm", "train_tokens", "is_weight_mean", "kl_k1", "entropy"):
+            assert_rel(a[key], b[key])
+        assert a["staleness_hist"] == b["staleness_hist"]
+    assert set(state_one) == set(state_two)
+    for k, v in state_one.items():
+        assert float((v - state_two[k]).norm() / v.norm()) < 1e-5, k
+    moved = sum(float((v - state_two[k]).abs().max()) for k, v in state_one.items())
+    assert moved < 1e-3
+
+
+def test_a_rank_that_dies_stops_the_job_with_a_message(tmp_path):
+    script = tmp_path / "die.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['RANK'] == '1': os._exit(3)\n"
+                      "time.sleep(60)\n")
+    with pytest.raises(RankFailed) as info:
+        run_ranks([str(script)], 2)
+    assert "rank 1 of 2 exited with status 3" in str(info.value)
