@@ -4,7 +4,8 @@
 tokenizer (so `atelier serve/agent/train` load it as a model directory) and
 `trainer_state.pt` (optimizer, RNG states, phase, step, data cursor).
 `state.json` is written last: a directory without it is a checkpoint cut off
-by a kill and is ignored (and replaced) on resume.
+by a kill and is ignored (and replaced) on resume. With N ranks the optimizer
+is sharded under `sharded/` (torch.distributed.checkpoint) instead.
 """
 
 from __future__ import annotations
@@ -18,19 +19,40 @@ from typing import Any
 CHECKPOINTS = "checkpoints"
 
 
-def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, state: dict[str, Any], keep: int) -> Path:
+def save_checkpoint(run_dir: Path, head, tokenizer, optimizer, state: dict[str, Any], keep: int,
+                    ranks=None) -> Path:
+    """Write step `state['global_step']`; collective when `ranks` is sharded (every rank calls it).
+
+    Rank 0 writes the Hugging Face model from the gathered full weights; with
+    N ranks the optimizer goes to `sharded/` (torch.distributed.checkpoint,
+    each rank its shards), with one rank into trainer_state.pt as before.
+    `state.json`, written last by rank 0 after every rank's shards are down,
+    commits the checkpoint.
+    """
     import numpy as np
     import torch
 
+    from atelier import distributed as D
+
+    ranks = ranks or D.Ranks(0, 1, 0, torch.device("cpu"))
     root = Path(run_dir) / CHECKPOINTS
     out = root / f"step-{state['global_step']:06d}"
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    model.save_pretrained(out)
+    if ranks.main:
+        if out.exists():
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
+    D.barrier(ranks)
+    with D.named_failure("writing a checkpoint"):
+        weights = {k.removeprefix("lm."): v for k, v in D.full_state_dict(head, ranks).items()}
+        if ranks.sharded and optimizer is not None:
+            D.save_sharded(out / "sharded", head, optimizer)
+        D.barrier(ranks)
+    if not ranks.main:
+        return out
+    D.unwrap(head).save_pretrained(out, state_dict=weights)
     tokenizer.save_pretrained(out)
     torch.save({
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "optimizer": optimizer.state_dict() if optimizer is not None and not ranks.sharded else None,
         "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         "numpy_rng": np.random.get_state(),

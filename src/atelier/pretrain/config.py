@@ -120,6 +120,14 @@ class PretrainConfig(AtelierConfig):
     # auto: bf16 autocast on a GPU that has it, fp32 elsewhere (CPU bf16 is slow on most CPUs).
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     threads: Optional[int] = Field(None, gt=0)
+    # Data-parallel ranks (FSDP2); `atelier pretrain` starts them on this machine. 1: one process.
+    ranks: int = Field(1, ge=1)
+    # Longest wait of any collective between ranks; a dead or hung rank stops the job after it.
+    timeout_s: float = Field(600.0, gt=0)
+    # Recompute each decoder layer in the backward instead of keeping its activations.
+    activation_checkpointing: bool = False
+    # Positions per chunk of the token-logprob computation (memory: one [rows, chunk, vocab] block).
+    logprob_chunk: int = Field(512, gt=0)
     log_every: int = Field(1, gt=0)
     checkpoint_every: int = Field(100, gt=0)
     keep_checkpoints: int = Field(2, gt=0)

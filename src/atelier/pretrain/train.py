@@ -11,6 +11,16 @@ data cursor; the schedule and the data order are functions of counters
 (schedule.py), so a resumed run repeats the uninterrupted run's losses.
 Metrics logged after the checkpoint a resume starts from are dropped and
 logged again.
+
+N ranks (`ranks = N`; `atelier pretrain` starts them, see atelier.launch):
+every rank draws the same rows in the same order (the data cursor is a
+counter), trains the token-balanced share `atelier.distributed.step_plan`
+gives it, and divides its summed NLL by the *step's* target count over all
+rows, so FSDP's gradient sum is the one-rank gradient. Rank 0 writes the
+metrics, the Hugging Face checkpoints and the final model (the full weights
+gathered from the shards); every rank writes its optimizer shards with
+torch.distributed.checkpoint into the checkpoint's `sharded/` before rank 0
+writes `state.json`, the commit point.
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ from typing import Any
 
 from atelier.config import dump_config
 from atelier.errors import AtelierError
-from atelier.pretrain.batches import ExampleBatches, MixtureBatches, masked_lm_loss
+from atelier.pretrain.batches import ExampleBatches, MixtureBatches
 from atelier.pretrain.checkpoint import latest_checkpoint, load_trainer_state, restore_rng, save_checkpoint
 from atelier.pretrain.config import PhaseConfig, PretrainConfig
 from atelier.pretrain.schedule import lr_at
@@ -50,24 +60,35 @@ def run_pretrain(config: PretrainConfig, run_dir: str | Path, *, resume: bool = 
     """Run (or resume) every phase of `config` in `run_dir`; return where the model is."""
     import torch
 
-    from atelier.pretrain.modeling import load_model_and_tokenizer, pick_device, scale_rope_theta
+    from atelier import distributed as D
+    from atelier.pretrain.modeling import load_model_and_tokenizer, scale_rope_theta
 
     run_dir = Path(run_dir)
-    checkpoint = _prepare_run_dir(config, run_dir, resume)
+    ranks = D.init_ranks(config.device, config.timeout_s)
+    checkpoint = _prepare_run_dir(config, run_dir, resume, write=ranks.main)
+    D.barrier(ranks)
     if config.threads:
         torch.set_num_threads(config.threads)
-    device = pick_device(config.device)
+    device = str(ranks.device)
+    precision = D.resolve_precision(config.precision, ranks.device)
     torch.manual_seed(config.seed)
     state: dict[str, Any] = {"phase": 0, "phase_step": 0, "global_step": 0, "cursor": None}
     payload = None
     if checkpoint is not None:
         state, payload = load_trainer_state(checkpoint)
-        _truncate_metrics(run_dir / METRICS, state["global_step"])
+        if ranks.main:
+            _truncate_metrics(run_dir / METRICS, state["global_step"])
     model, tokenizer = load_model_and_tokenizer(str(checkpoint or config.model), device)
+    head = D.shard(D.PolicyHead(model, config.logprob_chunk), ranks, precision,
+                   activation_checkpointing=config.activation_checkpointing)
     if payload is not None:
         restore_rng(payload)
-    corpus = _corpus(config, tokenizer, run_dir, quiet)
-    log = _Logger(run_dir / METRICS, quiet)
+    if ranks.main:   # one rank tokenizes; the others then read the finished cache
+        corpus = _corpus(config, tokenizer, run_dir, quiet)
+    D.barrier(ranks)
+    if not ranks.main:
+        corpus = _corpus(config, tokenizer, run_dir, True)
+    log = _Logger(run_dir / METRICS, quiet, enabled=ranks.main)
     result = RunResult(run_dir, None, state["global_step"], False)
     for index in range(state["phase"], len(config.phases)):
         phase = config.phases[index]
@@ -79,12 +100,18 @@ def run_pretrain(config: PretrainConfig, run_dir: str | Path, *, resume: bool = 
             theta = scale_rope_theta(model, phase.rope_theta_scale, phase.seq_len)
             log.event({"phase": phase.name, "rope_theta": theta})
         batches = _batches(config, phase, index, corpus, tokenizer, state["cursor"] if mid_phase else None)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=phase.lr, betas=phase.betas,
+        optimizer = torch.optim.AdamW(head.parameters(), lr=phase.lr, betas=phase.betas,
                                       weight_decay=phase.weight_decay)
-        if mid_phase and payload is not None and payload["optimizer"] is not None:
+        if mid_phase and checkpoint is not None and (checkpoint / "sharded").is_dir():
+            with D.named_failure("reading the sharded checkpoint"):
+                D.load_sharded(checkpoint / "sharded", head, optimizer)
+        elif mid_phase and payload is not None and payload["optimizer"] is not None:
+            if ranks.sharded:
+                raise RunDirError(f"{checkpoint} was written by one rank and holds no sharded optimizer",
+                                  hint="resume it with --set ranks=1")
             optimizer.load_state_dict(payload["optimizer"])
         for step in range(start, phase.steps):
-            metrics = _train_step(model, optimizer, batches, phase, step, device, config.precision)
+            metrics = _train_step(head, optimizer, batches, phase, step, ranks, precision)
             state = {"phase": index, "phase_step": step + 1, "global_step": state["global_step"] + 1,
                      "cursor": batches.cursor()}
             result.losses.append(metrics["loss"])
@@ -92,20 +119,25 @@ def run_pretrain(config: PretrainConfig, run_dir: str | Path, *, resume: bool = 
                 log.step({"step": state["global_step"], "phase": phase.name, "phase_step": step + 1,
                           **metrics})
             if config.eval_every and state["global_step"] % config.eval_every == 0 and corpus.heldout:
-                val = _val_loss(model, corpus.heldout, phase, config, device)
+                val = _val_loss(head, corpus.heldout, phase, config, device)
                 log.event({"step": state["global_step"], "phase": phase.name, "val_loss": val})
             last = step + 1 == phase.steps
             if last or state["global_step"] % config.checkpoint_every == 0:
-                save_checkpoint(run_dir, model, tokenizer, optimizer, state, config.keep_checkpoints)
+                save_checkpoint(run_dir, head, tokenizer, optimizer, state, config.keep_checkpoints, ranks)
             if config.stop_after is not None and state["global_step"] >= config.stop_after and not (
                     last and index == len(config.phases) - 1):
                 result.global_step, result.stopped = state["global_step"], True
+                D.barrier(ranks)
                 return result
     result.global_step = state["global_step"]
     final = run_dir / "final"
-    model.save_pretrained(final)
-    tokenizer.save_pretrained(final)
+    with D.named_failure("gathering the final weights"):
+        weights = {k.removeprefix("lm."): v for k, v in D.full_state_dict(head, ranks).items()}
     result.final_model = final
+    if not ranks.main:
+        return result
+    model.save_pretrained(final, state_dict=weights)
+    tokenizer.save_pretrained(final)
     _plot(run_dir)
     if config.evals.enabled:
         result.evals = _base_evals(config, final, corpus, run_dir, device)
@@ -115,7 +147,7 @@ def run_pretrain(config: PretrainConfig, run_dir: str | Path, *, resume: bool = 
     return result
 
 
-def _prepare_run_dir(config: PretrainConfig, run_dir: Path, resume: bool) -> Path | None:
+def _prepare_run_dir(config: PretrainConfig, run_dir: Path, resume: bool, write: bool = True) -> Path | None:
     checkpoint = latest_checkpoint(run_dir)
     if resume:
         if not (run_dir / "config.toml").is_file():
@@ -125,6 +157,8 @@ def _prepare_run_dir(config: PretrainConfig, run_dir: Path, resume: bool) -> Pat
     if checkpoint is not None or (run_dir / "final").exists():
         raise RunDirError(f"{run_dir} already holds a run",
                           hint=f"resume it with --resume {run_dir}, or choose another run directory")
+    if not write:
+        return None
     run_dir.mkdir(parents=True, exist_ok=True)
     # stop_after is a property of this call, not of the run: a resume must not stop again.
     (run_dir / "config.toml").write_text(dump_config(config.model_copy(update={"stop_after": None})))
@@ -159,11 +193,11 @@ def _batches(config: PretrainConfig, phase: PhaseConfig, index: int, corpus, tok
     return ExampleBatches(ids_NS, mask_NS, config.seed, index, cursor)
 
 
-def _train_step(model, optimizer, batches, phase: PhaseConfig, step: int, device: str,
-                precision: str) -> dict[str, float]:
+def _train_step(head, optimizer, batches, phase: PhaseConfig, step: int, ranks, precision: str) -> dict[str, float]:
+    import numpy as np
     import torch
 
-    from atelier.pretrain.modeling import autocast
+    from atelier import distributed as D
 
     started = time.perf_counter()
     lr = lr_at(step, lr=phase.lr, steps=phase.steps, warmup_steps=phase.warmup_steps,
@@ -171,42 +205,45 @@ def _train_step(model, optimizer, batches, phase: PhaseConfig, step: int, device
     for group in optimizer.param_groups:
         group["lr"] = lr
     micro = [batches.next(phase.micro_batch) for _ in range(phase.grad_accum)]
-    total = max(sum(int(mask[:, 1:].sum()) for _, mask in micro), 1)
-    model.train()
+    ids_RS = np.concatenate([ids for ids, _ in micro])
+    mask_RS = np.concatenate([mask for _, mask in micro])
+    total = max(int(mask_RS[:, 1:].sum()), 1)   # the step's targets over all ranks: the one normaliser
+    plan = D.step_plan([int(m.sum()) + 1 for m in mask_RS], ranks.world, ranks.rank, phase.micro_batch)
+    head.train()
     loss_sum = 0.0
-    for ids_NS, mask_NS in micro:
-        ids = torch.from_numpy(ids_NS).to(device)
-        mask = torch.from_numpy(mask_NS).to(device)
-        with autocast(device, precision):
-            logits_NSV = model(input_ids=ids).logits
-        nll, _ = masked_lm_loss(logits_NSV, ids, mask)
-        (nll / total).backward()
-        loss_sum += float(nll.detach())
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), phase.grad_clip))
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    with D.named_failure(f"step {step + 1} of phase '{phase.name}'"):
+        for rows in plan:
+            ids = torch.from_numpy(ids_RS[rows] if rows else ids_RS[:1]).to(ranks.device)
+            mask = torch.from_numpy(mask_RS[rows] if rows else np.zeros_like(mask_RS[:1])).to(ranks.device)
+            with D.compute_context(ranks, precision):
+                logp_NS, _ = head(ids, torch.ones_like(ids))
+            nll = -(logp_NS * mask).sum()
+            (nll * (D.grad_scale(ranks) / total)).backward()
+            loss_sum += float(nll.detach())
+        grad_norm = D.clip_grad_norm(head.parameters(), phase.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = D.all_reduce_sum([loss_sum], ranks)[0]
     elapsed = time.perf_counter() - started
     tokens = phase.grad_accum * phase.micro_batch * phase.seq_len
     return {"loss": loss_sum / total, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-            "targets": total, "tokens_per_s": tokens / elapsed, "step_s": elapsed}
+            "targets": total, "tokens_per_s": tokens / elapsed, "step_s": elapsed, "ranks": ranks.world}
 
 
-def _val_loss(model, stream, phase: PhaseConfig, config: PretrainConfig, device: str) -> float | None:
+def _val_loss(head, stream, phase: PhaseConfig, config: PretrainConfig, device: str) -> float | None:
     import numpy as np
     import torch
 
     n = min(stream.rows(phase.seq_len), config.eval_batches * phase.micro_batch)
     if n == 0:
         return None
-    model.eval()
+    head.eval()
     total, count = 0.0, 0.0
-    with torch.no_grad():
+    with torch.no_grad():   # every rank computes the same rows (FSDP needs every rank in each forward)
         for i in range(n):
             ids = torch.from_numpy(stream.row(i, phase.seq_len)[None]).to(device)
-            mask = torch.from_numpy(np.ones_like(stream.row(i, phase.seq_len)[None])).to(device)
-            mask[:, 0] = 0
-            nll, k = masked_lm_loss(model(input_ids=ids).logits, ids, mask)
-            total, count = total + float(nll), count + float(k)
+            logp, _ = head(ids, torch.ones_like(ids))
+            total, count = total - float(logp[:, 1:].sum()), count + float(ids.shape[1] - 1)
     return total / count
 
 
@@ -221,23 +258,25 @@ def _truncate_metrics(path: Path, step: int) -> None:
 class _Logger:
     """Appends one JSON object per line to metrics.jsonl; prints a short line unless quiet."""
 
-    def __init__(self, path: Path, quiet: bool) -> None:
-        self.path, self.quiet = path, quiet
+    def __init__(self, path: Path, quiet: bool, enabled: bool = True) -> None:
+        self.path, self.quiet, self.enabled = path, quiet, enabled
 
     def _write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
         with open(self.path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
 
     def step(self, record: dict[str, Any]) -> None:
         self._write(record)
-        if not self.quiet:
+        if self.enabled and not self.quiet:
             print(f"step {record['step']:>6} [{record['phase']}] loss {record['loss']:.4f} "
                   f"lr {record['lr']:.2e} gnorm {record['grad_norm']:.2f} "
                   f"{record['tokens_per_s']:.0f} tok/s", flush=True)
 
     def event(self, record: dict[str, Any]) -> None:
         self._write(record)
-        if not self.quiet:
+        if self.enabled and not self.quiet:
             print("  " + " ".join(f"{k} {v}" for k, v in record.items()), flush=True)
 
 
