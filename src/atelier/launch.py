@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Sequence
 
 from atelier.errors import AtelierError
@@ -110,3 +111,23 @@ def wait_ranks(procs: list[subprocess.Popen], poll_s: float = 0.2, what: str = "
 
 def run_ranks(argv: Sequence[str], world: int, *, env: dict[str, str] | None = None, what: str = "training") -> None:
     wait_ranks(start_ranks(argv, world, env=env), what=what)
+
+
+def launch_job(kind: str, config, run_dir: Path, *, resume: bool, quiet: bool, world: int) -> dict | None:
+    """Run `atelier.cli.rank KIND` as `world` local ranks; return rank 0's result (a JSON object).
+
+    The resolved config travels as JSON in a private temporary directory, so
+    every rank validates the very config the user's command resolved.
+    """
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="atelier-ranks-") as tmp:
+        spec = Path(tmp) / "config.json"
+        result = Path(tmp) / "result.json"
+        spec.write_text(config.model_dump_json())
+        argv = ["-m", "atelier.cli.rank", kind, str(spec), str(run_dir), "--result", str(result)]
+        argv += ["--resume"] if resume else []
+        argv += ["--quiet"] if quiet else []
+        run_ranks(argv, world, what=f"atelier {kind} with {world} ranks")
+        return json.loads(result.read_text()) if result.exists() else None

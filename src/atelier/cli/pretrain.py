@@ -21,11 +21,12 @@ def pretrain_cmd(
 ) -> None:
     """Run every phase of RECIPE; checkpoints and the final model are Hugging Face directories.
     Example: atelier pretrain recipes/pretrain-tiny.toml --set model=build/tiny-model"""
+    import os
     import time
 
     from atelier.config import load_config
     from atelier.pretrain.config import PretrainConfig
-    from atelier.pretrain.train import RunDirError, run_pretrain
+    from atelier.pretrain.train import RunDirError, RunResult, run_pretrain
 
     if resume is not None:
         if recipe is not None:
@@ -38,7 +39,18 @@ def pretrain_cmd(
     else:
         config = load_config(PretrainConfig, recipe, overrides)
         target = run_dir or Path("runs") / f"pretrain-{recipe.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    result = run_pretrain(config, target, resume=resume is not None, quiet=as_json)
+    if config.ranks > 1 and "WORLD_SIZE" not in os.environ:   # start the ranks here (else torchrun did)
+        from atelier.launch import launch_job
+
+        out = launch_job("pretrain", config, target, resume=resume is not None, quiet=as_json, world=config.ranks)
+        if out is None:
+            raise RunDirError("the ranks finished without a result", hint="see the messages above")
+        result = RunResult(Path(out["run_dir"]), Path(out["final_model"]) if out["final_model"] else None,
+                           out["global_step"], out["stopped"], out["losses"], out["evals"])
+    else:
+        result = run_pretrain(config, target, resume=resume is not None, quiet=as_json)
+        if int(os.environ.get("RANK", "0")) != 0:
+            return
     summary = {"run_dir": str(result.run_dir), "final_model": str(result.final_model) if result.final_model else None,
                "global_step": result.global_step, "stopped": result.stopped,
                "last_loss": result.losses[-1] if result.losses else None, "evals": result.evals}

@@ -48,6 +48,7 @@ def train(
 
 def _run(config, run_dir: Path, resume: bool, quiet: bool) -> None:
     import json
+    import os
 
     from rich.console import Console
     from rich.live import Live
@@ -56,8 +57,15 @@ def _run(config, run_dir: Path, resume: bool, quiet: bool) -> None:
     from atelier.rl.run import run_training
 
     console = Console(stderr=True)
+    ranks = config.trainer.ranks
     console.print(f"[bold]atelier train[/] → {run_dir}  ({config.rollout.mode}, launcher {config.launcher}"
-                  f"{', resuming' if resume else ''})")
+                  f"{f', {ranks} trainer ranks' if ranks > 1 else ''}{', resuming' if resume else ''})")
+    if ranks > 1 and "WORLD_SIZE" not in os.environ:   # start the ranks here (else torchrun did)
+        from atelier.launch import launch_job
+
+        result = launch_job("train", config, run_dir, resume=resume, quiet=True, world=ranks)
+        console.print(json.dumps(result, indent=1))
+        return
     rows: list[dict] = []
 
     def table() -> Table:
@@ -82,7 +90,8 @@ def _run(config, run_dir: Path, resume: bool, quiet: bool) -> None:
                 rows.append(r)
                 live.update(table())
             summary = run_training(config, run_dir, resume=resume, on_step=on_step)
-    console.print(json.dumps(summary.to_dict(), indent=1))
+    if summary is not None:   # None on a follower rank under torchrun
+        console.print(json.dumps(summary.to_dict(), indent=1))
 
 
 def register(app: typer.Typer) -> None:

@@ -19,6 +19,12 @@ The named steps, in the order `run_training` calls them: `open_run`
 from `make_weight_sync`, `make_backend`, the `Reconciler`), then
 `train_step` per batch, `save_final_checkpoint`, `write_summary`.
 
+With `trainer.ranks = N` this function runs in N processes (`atelier train`
+starts them; see `atelier.launch`): rank 0 is the driver above, the others
+only follow its trainer calls (`atelier.rl.ranks`: every collective is
+announced, then made, so all ranks enter the same collectives in the same
+order) and return None. Nothing else in the driver changes.
+
 Run directory: config.toml (resolved), ledger.jsonl, metrics.jsonl,
 rollouts/<slot>.json (trajectories), checkpoints/step-<k>/, weights/ (delta
 chain, when used), summary.json.
@@ -30,6 +36,7 @@ import json
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -121,13 +128,19 @@ class Run:
 
 
 def run_training(config: TrainConfig, run_dir: str | Path, resume: bool = False,
-                 on_step: Callable[[dict[str, Any]], None] | None = None) -> TrainSummary:
+                 on_step: Callable[[dict[str, Any]], None] | None = None) -> TrainSummary | None:
     """Train until the epoch (or `trainer.steps`) is done; resumable after any crash.
 
     Sets torch's thread count to `trainer.threads` for the run and restores
-    it after: the one place an RL run touches that process-wide setting."""
-    with torch_threads(config.trainer.threads):
-        run = open_run(config, Path(run_dir), resume)
+    it after: the one place an RL run touches that process-wide setting.
+    On trainer ranks other than 0 it follows rank 0 and returns None."""
+    from atelier.rl.ranks import follow, join_ranks
+
+    with torch_threads(config.trainer.threads), join_ranks(config) as (ranks, commands):
+        if not ranks.main:
+            follow(partial(make_trainer, config, ranks=ranks), commands)
+            return None
+        run = open_run(config, Path(run_dir), resume, ranks, commands)
         try:
             run.reconciler.start()
             while True:
@@ -139,12 +152,14 @@ def run_training(config: TrainConfig, run_dir: str | Path, resume: bool = False,
                 for log in (*run.loggers, *([on_step] if on_step else [])):
                     log(record)
             save_final_checkpoint(run)
+            if commands is not None:
+                run.trainer.close()   # the followers return
         finally:
             run.close()
         return write_summary(run)
 
 
-def open_run(config: TrainConfig, run_dir: Path, resume: bool) -> Run:
+def open_run(config: TrainConfig, run_dir: Path, resume: bool, ranks=None, commands=None) -> Run:
     """Restore (or start) the trainer, ledger, weight sync, rollout backend and reconciler."""
     from transformers.utils import logging as hf_logging
 
@@ -156,7 +171,7 @@ def open_run(config: TrainConfig, run_dir: Path, resume: bool) -> Run:
     loggers = make_loggers(config.loggers, run_dir, config.model_dump(mode="json"))
     ckpt = latest_checkpoint(run_dir) if resume else None
     model_path = ckpt / "model" if ckpt else resolve_or_build_tiny(config.model, run_dir, seed=config.seed)
-    trainer = restore_trainer(config, model_path, ckpt)
+    trainer = restore_trainer(config, model_path, ckpt, ranks, commands)
     ledger = restore_ledger(run_dir, ckpt, trainer.step)
     root = sync_root(config, run_dir)
     weights = make_weight_sync(config.sync.kind, root, config.sync.full_every)
@@ -173,12 +188,22 @@ def open_run(config: TrainConfig, run_dir: Path, resume: bool) -> Run:
                MetricsWriter(run_dir / "metrics.jsonl"), loggers, started=started)
 
 
-def restore_trainer(config: TrainConfig, model_path: Path, ckpt: Path | None):
-    """A trainer on `model_path`; with a checkpoint, its step, optimizer state and RNG too."""
+def restore_trainer(config: TrainConfig, model_path: Path, ckpt: Path | None, ranks=None, commands=None):
+    """A trainer on `model_path`; with a checkpoint, its step, optimizer state and RNG too.
+    With N ranks, rank 0's trainer leads the followers' (atelier.rl.ranks)."""
+    if commands is not None:
+        from atelier.rl.ranks import lead
+
+        return lead(partial(make_trainer, config, ranks=ranks), model_path, ckpt, commands)
+    return make_trainer(config, model_path, ckpt, ranks=ranks)
+
+
+def make_trainer(config: TrainConfig, model_path: Path, ckpt: Path | None, *, ranks=None):
     from atelier.rl.trainer import Trainer
 
     step = read_meta(ckpt)["step"] if ckpt else 0
-    trainer = Trainer(model_path, config.trainer, temperature=config.rollout.temperature, step=step)
+    trainer = Trainer(model_path, config.trainer, temperature=config.rollout.temperature, step=step,
+                      ranks=ranks)
     if ckpt:
         trainer.load_optimizer(ckpt)
         restore_rng(ckpt)
