@@ -62,19 +62,34 @@ def hello_repo(tmp_path: Path, bwrap_ready: None) -> Path:
     return repo
 
 
+def _mount_root(path: Path) -> str:
+    """`path` as it appears in the root column of /proc/PID/mountinfo when
+    bound: relative to the root of the filesystem that holds it."""
+    best = ("", "/")
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        root, point = fields[3], fields[4]
+        if (str(path) == point or str(path).startswith(point.rstrip("/") + "/")) and len(point) >= len(best[0]):
+            best = (point, root)
+    point, root = best
+    return (root.rstrip("/") + "/" + str(path)[len(point):].lstrip("/")).rstrip("/") or "/"
+
+
 def snapshot_processes(snapshot: Path) -> list[int]:
-    """Running (not zombie) processes whose command line names the snapshot:
-    the bwrap processes of sandboxes over it."""
+    """Running (not zombie) processes that have the snapshot mounted: the
+    processes of sandboxes over it. (Their command lines need not name it:
+    root's sandboxes bind it from a staging directory.)"""
+    wanted = _mount_root(snapshot)
     pids = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            mounts = (proc / "mountinfo").read_text().splitlines()
             state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except (OSError, IndexError):
             continue
-        if str(snapshot).encode() in cmdline and state != "Z":
+        if state != "Z" and any(line.split()[3] == wanted for line in mounts):
             pids.append(int(proc.name))
     return pids
 

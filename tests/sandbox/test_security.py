@@ -337,13 +337,20 @@ def test_no_capabilities(sandbox, host) -> None:
     assert os.readlink(f"/proc/{pid}/ns/user") != os.readlink("/proc/self/ns/user")
 
 
-@pytest.mark.xfail(os.geteuid() == 0, strict=True, reason=(
-    "known hole: when atelier runs as root, the sandbox's uid 0 is host uid 0; it has no "
-    "capabilities, but the kernel's owner checks still favour it (that is how it could write "
-    "/proc/sys until that was bound read-only). Fix: map it to an unprivileged host uid."))
 def test_commands_are_not_host_root(sandbox, host) -> None:
-    uids = status_of(background_pid(sandbox, host, "sleep 60.5"))["Uid"].split()
-    assert "0" not in uids
+    """Seen from the host, a sandbox's processes (the holder and every
+    command) hold no id of root's: no uid, gid or supplementary group 0, when
+    atelier runs as root as much as for an ordinary user."""
+    status = status_of(background_pid(sandbox, host, "sleep 60.5"))
+    for key in ("Uid", "Gid"):
+        assert "0" not in status[key].split(), status[key]
+    assert "0" not in status["Groups"].split(), status["Groups"]
+    for pid in (sandbox._init_pid, sandbox._holder_pid):
+        assert "0" not in status_of(pid)["Uid"].split()
+    if os.geteuid() == 0:
+        assert status["Uid"].split() == [str(sandbox.config.root_maps_to)] * 4
+    inside = sandbox.exec("id -u; id -g").stdout.split()
+    assert inside == ["0", "0"]  # still root inside, so tools behave as in a container
 
 
 def background_pid(sb, host, command: str) -> int:

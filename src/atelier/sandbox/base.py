@@ -65,6 +65,11 @@ class SandboxConfig(BaseModel):
     prepared dependency environment."""
     env: dict[str, str] = Field(default_factory=dict)
     """Variables added to the scrubbed environment of every command."""
+    root_maps_to: int = Field(1_900_000_000, gt=0, lt=2**31 - 1)
+    """When atelier runs as root: the unprivileged host uid and gid that the
+    sandbox's users run as (its uid 0), instead of host root. Pick an id that
+    no account or file on the host uses; the default lies in the range that
+    systemd leaves unassigned."""
 
     @field_validator("ro_mounts")
     @classmethod

@@ -22,17 +22,25 @@ Isolated:
   signalled. `close()` kills the namespace's init, and the kernel then kills
   every process in it, daemons that double-forked and called `setsid`
   included.
-- Privileges. Commands run with no capabilities and `no_new_privs`; inside,
-  uid 0 maps to the invoking user, so nothing gains rights over host files.
-  When that user is root, commands are host uid 0 without capabilities, which
-  the kernel's owner checks still favour: `/proc/sys` is therefore bound
-  read-only, but an unprivileged account is the safer place to run.
+- Privileges. Commands run with no capabilities and `no_new_privs`; inside
+  they are uid 0, which the host sees as:
+  - for an ordinary user: that user (bwrap maps only that uid), with the
+    user's supplementary groups (an unprivileged process cannot drop them);
+    so a sandbox can read no more of the bound host files than its user can;
+  - for root: the unprivileged host uid and gid `root_maps_to`, with no
+    supplementary groups (see `rootmap`). Every process of the sandbox, its
+    holder included, is that id: files only root may read in the bound
+    system directories are unreadable, `/proc/sys` is not writable (it is
+    also bound read-only), and no host process can be signalled. The
+    snapshot is bound idmapped, so that its files appear to belong to the
+    sandbox's root and the overlay can copy them up; without idmapped mounts
+    (Linux < 5.19, or a filesystem that lacks them) the workspace is a copy.
 - Environment. Commands get an explicit environment (PATH, HOME=/tmp,
   LANG, plus `env`); no host variable leaks in.
 - Resources. Per process: address space (`memory_mb`), file size, open files
   and CPU time. Per sandbox: process count (RLIMIT_NPROC counts per user
-  namespace; for root, a pids cgroup, see `cgroups`), bytes written (tmpfs
-  size). Per `exec`: a wall-clock timeout that kills the process group, and an
+  namespace; for root, also a pids cgroup, see `cgroups`), bytes written
+  (tmpfs size). Per `exec`: a wall-clock timeout that kills the process group, and an
   output cap.
 
 Not isolated:
@@ -88,8 +96,9 @@ from atelier.sandbox.base import (
     workspace_relpath,
 )
 from atelier.sandbox.cgroups import SandboxCgroup
-from atelier.sandbox.hostfs import SANDBOX_PATH, system_bind_args
+from atelier.sandbox.hostfs import SANDBOX_PATH, generated_etc_files, system_bind_args
 from atelier.sandbox.layers import Layer
+from atelier.sandbox.rootmap import Stage, acting_as, check_mapped, running_as_root
 from atelier.sandbox.process import run_process
 
 log = logging.getLogger(__name__)
@@ -148,11 +157,12 @@ class BwrapSandbox(Sandbox):
             layer.acquire()
         self._lock = threading.Lock()
         self._closed = False
+        # Root's sandboxes run as this unprivileged host id (see `rootmap`).
+        self._host_id = self.config.root_maps_to if running_as_root() else None
+        if self._host_id is not None:
+            check_mapped(self._host_id)
         self._cgroup = SandboxCgroup(self.config.max_processes, self.config.memory_mb * MiB) \
-            if os.geteuid() == 0 else None
-        if self._cgroup is not None and not self._cgroup.enforces_pids:
-            _warn_once("running as root without a writable pids cgroup: the kernel does not "
-                       "apply RLIMIT_NPROC to root, so `max_processes` is not enforced")
+            if running_as_root() else None
         try:
             self._start()
         except BaseException:
@@ -163,6 +173,7 @@ class BwrapSandbox(Sandbox):
     # -- lifecycle -------------------------------------------------------
     def _bwrap_argv(self) -> list[str]:
         cfg = self.config
+        stage = Stage(self._host_id)
         size = str(cfg.disk_mb * MiB)
         argv = ["bwrap", "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
                 "--unshare-cgroup-try", "--uid", "0", "--gid", "0",
@@ -173,31 +184,38 @@ class BwrapSandbox(Sandbox):
         if cfg.network == "none":
             argv.append("--unshare-net")
         argv += system_bind_args()
+        for src, dest in generated_etc_files():
+            argv += ["--ro-bind", stage.source(src), dest]
         argv += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/tmp", "--dir", WORKDIR]
         # bwrap covers /proc/sys only when the directory is writable, which it
-        # never is; its files are writable by host uid 0, and when atelier runs
-        # as root the sandbox's uid 0 is host uid 0 (kernel.core_pattern would
-        # run a program of its choice as root on the host).
+        # never is; its files are writable by host uid 0. The sandbox's uid 0
+        # is never host uid 0 (see `rootmap`); this is a second wall, should it
+        # ever be (kernel.core_pattern would run a program as root on the host).
         argv += ["--ro-bind", "/proc/sys", "/proc/sys"]
         # Mode 000 on a read-only root: commands (no capabilities) cannot enter
         # the layers' directory or change its mode; only the holder can.
         argv += ["--perms", "0000", "--dir", "/.atelier"]
         lowers = []
         for i, path in enumerate([*(layer.path for layer in self._layers), self.snapshot]):
-            argv += ["--ro-bind", str(path), f"/.atelier/lower{i}"]
+            # Layers belong to the sandbox's id already (copies of an upper
+            # layer); the snapshot's owner is mapped to it.
+            argv += ["--ro-bind", stage.source(path, idmap=path == self.snapshot), f"/.atelier/lower{i}"]
             lowers.append(f"/.atelier/lower{i}")
         argv += ["--size", size, "--tmpfs", "/.atelier/rw", "--dir", "/.atelier/rw/upper",
                  "--dir", "/.atelier/rw/work"]
         for spec in cfg.ro_mounts:
             src, _, dest = spec.partition(":")
-            argv += ["--ro-bind", src, dest or src]
+            argv += ["--ro-bind", stage.source(src), dest or src]
         argv += ["--remount-ro", "/", "--chdir", "/",
                  "/bin/sh", "-c", HOLDER_SCRIPT, "atelier-holder", ":".join(lowers), self._requested_mode]
+        argv = stage.launch(argv, copy_index=len(argv) - 1)
         return self._cgroup.wrap(argv) if self._cgroup else argv
 
     def _workspace_mode(self) -> str:
         if self.config.workspace == "copy":
             return "copy"
+        if self._host_id is not None:
+            return "overlay"  # the snapshot's owner is mapped (the stager falls back to copy)
         st = self.snapshot.stat()
         if (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
             _warn_once(f"snapshot {self.snapshot} belongs to another user or group: its files "
@@ -297,9 +315,13 @@ class BwrapSandbox(Sandbox):
             rel = workspace_relpath(cwd)
             if rel:
                 argv = ["/bin/sh", "-c", 'cd -- "$0" || exit 125; exec "$@"', f"{WORKDIR}/{rel}", *argv]
+        # An ordinary user already is the sandbox's uid 0 and keeps its ids;
+        # root lets nsenter drop its groups and become uid/gid 0 of the
+        # sandbox's namespace, i.e. the unprivileged host id.
+        keep_ids = ["--preserve-credentials"] if self._host_id is None else []
         full = [
             "nsenter", "-t", str(self._holder_pid), "-U", "-m", "-n", "-p", "-i", "-u", "-C",
-            "--preserve-credentials", "-r", f"--wd=/proc/{self._holder_pid}/root{WORKDIR}",
+            *keep_ids, "-r", f"--wd=/proc/{self._holder_pid}/root{WORKDIR}",
             "--",
             "setpriv", "--no-new-privs", "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all",
             "--",
@@ -347,7 +369,8 @@ class BwrapSandbox(Sandbox):
         if not rel:
             raise SandboxPathError("cannot write to the workspace directory itself", hint="name a file")
         try:
-            fsutil.write_beneath(self._ws_fd, rel, data)
+            with acting_as(self._host_id):
+                fsutil.write_beneath(self._ws_fd, rel, data)
         except OSError as exc:
             if exc.errno == 28:  # ENOSPC
                 raise SandboxLimitExceeded(

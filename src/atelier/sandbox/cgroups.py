@@ -1,11 +1,11 @@
 """Per-sandbox cgroups, used when atelier runs as root.
 
-Why only then: for an ordinary user, RLIMIT_NPROC counts the processes of the
-sandbox's own user namespace, so a fork bomb stops at `max_processes`. The
-kernel exempts uid 0 from that limit, so for root we put every process of a
-sandbox in a cgroup with `pids.max` (and `memory.max` / `memory.limit_in_bytes`
-where the memory controller is there). Without a writable hierarchy, root gets
-a warning that the process cap is not enforced.
+Why only then: only root can write the cgroup hierarchy. RLIMIT_NPROC already
+counts the processes of each sandbox's own user namespace, for root too (its
+sandboxes run as an unprivileged uid, see `rootmap`), so a fork bomb stops at
+`max_processes`; the cgroup adds `pids.max` as a second wall and, where the
+memory controller is there, `memory.max` / `memory.limit_in_bytes` for the
+whole sandbox rather than per process.
 """
 
 from __future__ import annotations
@@ -75,7 +75,6 @@ class SandboxCgroup:
                     d.rmdir()
                 except OSError as exc:
                     log.debug("cgroup %s unusable: %s", d, exc)
-        self.enforces_pids = any((d / "pids.max").exists() for d in self.dirs)
 
     def wrap(self, argv: list[str]) -> list[str]:
         if not self.dirs:

@@ -59,7 +59,8 @@ def _generated_etc() -> Path:
 
 @functools.lru_cache(maxsize=1)
 def system_bind_args() -> tuple[str, ...]:
-    """bwrap arguments that make the host's programs and libraries usable."""
+    """bwrap arguments that make the host's programs and libraries usable
+    (all readable by everyone, so bwrap reaches them at their own paths)."""
     args: list[str] = []
     for top in SYSTEM_TOP:
         if os.path.islink(top):
@@ -70,10 +71,14 @@ def system_bind_args() -> tuple[str, ...]:
         path = f"/etc/{name}"
         if os.path.lexists(path):
             args += ["--ro-bind-try", path, path]
-    gen = _generated_etc()
-    for name in ("passwd", "group", "hosts"):
-        args += ["--ro-bind", str(gen / name), f"/etc/{name}"]
     return tuple(args)
+
+
+def generated_etc_files() -> list[tuple[Path, str]]:
+    """(host file, path inside) of the generated `/etc` files, to bind
+    read-only after `system_bind_args()`."""
+    gen = _generated_etc()
+    return [(gen / name, f"/etc/{name}") for name in ("passwd", "group", "hosts")]
 
 
 def python_mounts() -> list[str]:
