@@ -14,7 +14,7 @@ $(PY):
 
 # Reinstall only when the project's requirements change.
 $(STAMP): pyproject.toml constraints.txt | $(PY)
-	$(PIP) -e '.[test,ray]'
+	$(PIP) -e '.[test,ray,kernels]'
 	@touch $@
 
 # bubblewrap provides the sandboxes; chromium renders the HTML report in its

@@ -93,7 +93,7 @@ def _blocks(x_RK: torch.Tensor, block: int) -> torch.Tensor:
         raise QuantShapeError(f"expected a 2-D tensor, got shape {tuple(x_RK.shape)}")
     if x_RK.shape[1] % block:
         raise QuantShapeError(f"the quantised dimension ({x_RK.shape[1]}) must be a multiple of {block}")
-    return x_RK.float().reshape(x_RK.shape[0], -1, block)
+    return x_RK.float().reshape(x_RK.shape[0], x_RK.shape[1] // block, block)
 
 
 def _divide(x: torch.Tensor, d: torch.Tensor, division: Division) -> torch.Tensor:
@@ -133,7 +133,7 @@ def nvfp4_dequantize(t: NVFP4Tensor) -> torch.Tensor:
     values_RK = decode(t.codes(), E2M1)
     R = values_RK.shape[0]
     d_RB = decode(t.block_scales_RB, E4M3) * t.token_scales_R[:, None]
-    return (values_RK.reshape(R, -1, NVFP4_BLOCK) * d_RB[:, :, None]).reshape(R, -1)
+    return (values_RK.reshape(R, d_RB.shape[1], NVFP4_BLOCK) * d_RB[:, :, None]).reshape(values_RK.shape)
 
 
 def e8m0_ceil_code(r: torch.Tensor) -> torch.Tensor:
@@ -163,8 +163,8 @@ def mxfp8_quantize(x_RK: torch.Tensor, *, division: Division = "exact") -> MXFP8
 def mxfp8_dequantize(t: MXFP8Tensor) -> torch.Tensor:
     """float32 x'_RK = value(q) * X."""
     R = t.codes_RK.shape[0]
-    values_RBG = decode(t.codes_RK, E4M3).reshape(R, -1, MXFP8_BLOCK)
-    return (values_RBG * e8m0_decode(t.scales_RB)[:, :, None]).reshape(R, -1)
+    values_RBG = decode(t.codes_RK, E4M3).reshape(R, t.scales_RB.shape[1], MXFP8_BLOCK)
+    return (values_RBG * e8m0_decode(t.scales_RB)[:, :, None]).reshape(t.codes_RK.shape)
 
 
 def fake_quant(x: torch.Tensor, fmt: str, dim: int = -1, **options) -> torch.Tensor:
@@ -173,7 +173,7 @@ def fake_quant(x: torch.Tensor, fmt: str, dim: int = -1, **options) -> torch.Ten
     `fmt`: "nvfp4" or "mxfp8" (or "none": x as float32); `options`:
     `division` (both), `scale` (nvfp4). The layout is kept."""
     if fmt == "none":
-        return x.float()
+        return x if x.dtype == torch.float64 else x.float()   # float64 for gradient checks
     moved = x.transpose(0, 1) if dim in (0, -2) else x
     if fmt == "nvfp4":
         out = nvfp4_dequantize(nvfp4_quantize(moved, **options))
