@@ -13,23 +13,18 @@ records exactly what ran; `load_config(Model, dumped_path, [])` restores it.
 from __future__ import annotations
 
 import difflib
-import json
 import re
-import sys
 import types
 import typing
 from datetime import date, datetime, time
 from pathlib import Path
-from typing import Any, Iterator, Sequence, TypeVar
+from typing import Any, Sequence, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from atelier.compat import tomllib
 from atelier.errors import AtelierError
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised only on 3.10
-    import tomli as tomllib
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -104,8 +99,13 @@ def dump_config(model: BaseModel) -> str:
     Fields that are None are left out (TOML has no null), so reloading the dump
     gives the same model when those fields default to None.
     """
+    import tomli_w
+
     data = model.model_dump(mode="json", exclude_none=True)
-    return "\n".join(_table_lines(data, [])).strip("\n") + "\n"
+    try:
+        return tomli_w.dumps(data)
+    except (TypeError, ValueError) as exc:  # a None inside a list, an object JSON mode left as is
+        raise ConfigError(f"cannot write the config as TOML: {exc}", hint="TOML has no null") from exc
 
 
 # --- overrides -------------------------------------------------------------
@@ -265,32 +265,3 @@ def _members(annotation: Any) -> list[Any]:
 def _fields(annotation: Any) -> dict[str, Any]:
     is_model = isinstance(annotation, type) and issubclass(annotation, BaseModel)
     return annotation.model_fields if is_model else {}
-
-
-# --- TOML writer -----------------------------------------------------------
-def _table_lines(data: dict[str, Any], prefix: list[str]) -> Iterator[str]:
-    """Scalars and arrays first, then one [section] per nested table."""
-    tables = {k: v for k, v in data.items() if isinstance(v, dict)}
-    if prefix and (len(tables) < len(data) or not data):
-        yield f"\n[{'.'.join(_key(k) for k in prefix)}]"
-    for key, value in data.items():
-        if key not in tables:
-            yield f"{_key(key)} = {_value(value)}"
-    for key, value in tables.items():
-        yield from _table_lines(value, [*prefix, key])
-
-
-def _key(key: str) -> str:
-    return key if _BARE_KEY.match(key) else _value(key)
-
-
-def _value(value: Any) -> str:
-    if isinstance(value, list):
-        return "[" + ", ".join(_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        inner = ", ".join(f"{_key(k)} = {_value(v)}" for k, v in value.items() if v is not None)
-        return "{ " + inner + " }" if inner else "{}"
-    if not isinstance(value, (str, bool, int, float)):
-        raise ConfigError(f"cannot write {value!r} as TOML", hint="TOML has no null or inf")
-    # JSON spells these scalars as TOML does; TOML also bans a raw DEL in strings.
-    return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")

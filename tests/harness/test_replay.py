@@ -57,6 +57,10 @@ def test_patch_parsing_without_originals_and_refusals():
         gold_patch_calls("diff --git a/b.bin b/b.bin\nGIT binary patch\nliteral 1\n")
     with pytest.raises(HarnessError, match="changes no files"):
         gold_patch_calls("")
+    with pytest.raises(HarnessError, match="renames or copies"):
+        gold_patch_calls("diff --git a/a.txt b/c.txt\nsimilarity index 100%\nrename from a.txt\nrename to c.txt\n")
+    (quoted,) = parse_patch('--- "a/t\\tb.txt"\n+++ "b/t\\tb.txt"\n@@ -1 +1 @@\n-a\n+b\n')
+    assert quoted.path == "t\tb.txt"   # git's C quoting undone
 
 
 def test_a_hunk_without_a_short_unique_anchor_becomes_a_whole_file_write():

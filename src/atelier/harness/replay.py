@@ -14,16 +14,18 @@ hunks are used as they are.
 
 from __future__ import annotations
 
-import re
+import ast
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+import unidiff
+from unidiff.constants import LINE_TYPE_NO_NEWLINE
 
 from atelier.harness.errors import HarnessError
 from atelier.harness.parsing import format_call
 
 MAX_WIDEN = 40
 READ_MARGIN = 8   # lines shown around each hunk by the replay's read_file calls
-_HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 
 
 @dataclass
@@ -34,79 +36,64 @@ class Hunk:
     old: list[str] = field(default_factory=list)   # lines with their newlines
     new: list[str] = field(default_factory=list)
 
-    @property
-    def open(self) -> bool:
-        return len(self.old) < self.old_count or len(self.new) < self.new_count
-
 
 @dataclass
 class FilePatch:
     path: str
     kind: str = "modify"     # "modify" | "add" | "delete"
     hunks: list[Hunk] = field(default_factory=list)
-    headers: int = 0         # "---"/"+++" lines seen
 
 
-def _strip_prefix(name: str) -> str | None:
-    name = name.split("\t")[0].strip()
-    if name == "/dev/null":
-        return None
-    return name[2:] if name.startswith(("a/", "b/")) else name
+def _unquote(path: str) -> str:
+    """A path git wrote in C quotes (special characters, octal UTF-8 bytes) as it is on disk."""
+    if len(path) >= 2 and path[0] == path[-1] == '"':
+        return ast.literal_eval("b" + path).decode("utf-8", errors="surrogateescape")
+    return path
+
+
+def _moved(f: unidiff.PatchedFile) -> bool:
+    """A copy (or a rename unidiff did not flag): old and new paths differ, neither /dev/null."""
+    names = [_unquote(name) for name in (f.source_file, f.target_file)]
+    if "/dev/null" in names:
+        return False
+    return names[0].removeprefix("a/") != names[1].removeprefix("b/")
+
+
+def _hunk(h: unidiff.Hunk) -> Hunk:
+    out = Hunk(h.source_start, h.source_length, h.target_length)
+    last = ""
+    for line in h:
+        if line.line_type == LINE_TYPE_NO_NEWLINE:  # applies to the line just before it
+            if last != "+" and out.old:
+                out.old[-1] = out.old[-1].rstrip("\n")
+            if last != "-" and out.new:
+                out.new[-1] = out.new[-1].rstrip("\n")
+            continue
+        if line.line_type != "+":
+            out.old.append(line.value)
+        if line.line_type != "-":
+            out.new.append(line.value)
+        last = line.line_type
+    return out
 
 
 def parse_patch(patch: str) -> list[FilePatch]:
-    """Files and hunks of a git or plain unified diff; binary patches and renames are refused."""
-    files: list[FilePatch] = []
-    cur: FilePatch | None = None
-    hunk: Hunk | None = None
-    last_mark = ""
-    for line in patch.splitlines(keepends=True):
-        body = line.rstrip("\n")
-        if hunk is not None and hunk.open and body[:1] in (" ", "-", "+", ""):
-            mark, text = (body[:1] or " "), (line[1:] if body else "\n")
-            if mark != "+":
-                hunk.old.append(text)
-            if mark != "-":
-                hunk.new.append(text)
-            last_mark = mark
-        elif body.startswith("\\") and hunk is not None:
-            # "\\ No newline at end of file" applies to the line just before it.
-            if last_mark != "+" and hunk.old:
-                hunk.old[-1] = hunk.old[-1].rstrip("\n")
-            if last_mark != "-" and hunk.new:
-                hunk.new[-1] = hunk.new[-1].rstrip("\n")
-        elif body.startswith("diff --git "):
-            cur, hunk = FilePatch(path=body.split(" b/", 1)[-1]), None
-            files.append(cur)
-        elif body.startswith(("GIT binary patch", "Binary files ")):
-            raise HarnessError(f"the patch changes a binary file ({cur.path if cur else '?'})",
+    """Files and hunks of a git or plain unified diff (parsed by `unidiff`);
+    binary patches, renames and copies are refused."""
+    try:
+        files = unidiff.PatchSet(patch)
+    except unidiff.UnidiffParseError as exc:
+        raise HarnessError(f"the patch cannot be parsed: {exc}", hint="pass a unified diff") from exc
+    out = []
+    for f in files:
+        if f.is_binary_file:
+            raise HarnessError(f"the patch changes a binary file ({_unquote(f.path)})",
                                hint="tool calls can only replay text changes")
-        elif body.startswith(("rename from ", "copy from ")):
+        if f.is_rename or _moved(f):
             raise HarnessError("the patch renames or copies a file", hint="write it as a delete plus an add")
-        elif body.startswith("new file mode") and cur is not None:
-            cur.kind = "add"
-        elif body.startswith("deleted file mode") and cur is not None:
-            cur.kind = "delete"
-        elif body.startswith("--- "):
-            old = _strip_prefix(body[4:])
-            if cur is None or cur.hunks or cur.headers:
-                cur = FilePatch(path=old or "")
-                files.append(cur)
-            cur.headers, hunk = 1, None
-            if old is None:
-                cur.kind = "add"
-        elif body.startswith("+++ ") and cur is not None:
-            new = _strip_prefix(body[4:])
-            cur.headers += 1
-            if new is None:
-                cur.kind = "delete"
-            else:
-                cur.path = new
-        elif (m := _HUNK.match(body)) and cur is not None:
-            count = lambda g: 1 if g is None else int(g)  # noqa: E731
-            hunk = Hunk(int(m.group(1)), count(m.group(2)), count(m.group(4)))
-            cur.hunks.append(hunk)
-    return files
+        kind = "add" if f.is_added_file else "delete" if f.is_removed_file else "modify"
+        out.append(FilePatch(_unquote(f.path), kind, [_hunk(h) for h in f]))
+    return out
 
 
 def _unique_edit(current: str, hunk: Hunk, index: int) -> tuple[str, str] | None:

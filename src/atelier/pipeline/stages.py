@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from atelier.compat import tomllib
 from atelier.config import dump_config
 from atelier.errors import AtelierError
 from atelier.pipeline.config import RunConfig
@@ -90,7 +91,8 @@ def _freeze_config(config: RunConfig, run_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     frozen = run_dir / "config.toml"
     text = dump_config(config)
-    if frozen.is_file() and frozen.read_text() != text:
+    # Compared as data, not text: how the writer lays out TOML may change between versions.
+    if frozen.is_file() and tomllib.loads(frozen.read_text()) != tomllib.loads(text):
         raise PipelineError(f"{run_dir} holds a run of a different recipe (see its config.toml)",
                             hint="resume with the same recipe and --set values, or pick a new --out")
     frozen.write_text(text)

@@ -16,9 +16,10 @@ caller can ask for an explicit list instead.
 from __future__ import annotations
 
 import configparser
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from atelier.compat import tomllib
 
 TEST_EXTRAS = ("test", "tests", "testing", "dev")
 REQUIREMENTS_FILES = ("requirements.txt", "requirements-test.txt", "requirements-dev.txt",

@@ -41,10 +41,10 @@ import re
 import shutil
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
 from typing import Any
 
+from atelier.compat import tomllib
 from atelier.tasks.schema import PythonEnv, Task, TaskError, TaskLimits, TaskMetadata, TaskSpec
 from atelier.tasks.stats import patch_stats
 

@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import configparser
 import shlex
-import tomllib
 from pathlib import Path
+
+from atelier.compat import tomllib
 
 _PLUGIN_FLAGS = ("--cov", "--no-cov")
 """Option prefixes dropped as a single argument (`--cov=pkg`, `--no-cov-on-fail`)."""

@@ -154,7 +154,7 @@ def local_field(root: Path, field: str) -> str | None:
         return meta[field][0]
     pyproject = root / "pyproject.toml"
     if pyproject.is_file():
-        import tomllib
+        from atelier.compat import tomllib
 
         try:
             value = tomllib.loads(pyproject.read_text()).get("project", {}).get(field)

@@ -46,12 +46,12 @@ import json
 import subprocess
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from atelier.compat import tomllib
 from atelier.tasks import pytest_ini
 from atelier.tasks.declared_deps import declared_requirements
 from atelier.tasks.schema import PythonEnv, Task, TaskError, TaskMetadata, TaskSpec
