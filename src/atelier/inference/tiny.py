@@ -6,6 +6,11 @@ ChatML chat template (the format SmolLM2-Instruct uses, so prompts look the
 same as with the real model) and a Llama-architecture model of well under a
 million parameters — in about a second, with no download. Every byte can be
 encoded, so any text round-trips.
+
+`build_tiny_model(out_dir, moe=True)` (the model name "tiny-moe") writes a
+Qwen3-MoE model instead: every layer a sparse block of 8 SwiGLU experts with
+a top-2 softmax router, dimensions multiples of 32 so the low-precision
+expert kernels (atelier.kernels) apply.
 """
 
 from __future__ import annotations
@@ -83,15 +88,40 @@ def tiny_config(vocab_size: int, **overrides):
     return LlamaConfig(**fields)
 
 
-def build_tiny_model(out_dir: str | Path, *, seed: int = 0, vocab_size: int = 512, **config_overrides) -> Path:
-    """Write a tiny Llama model and its tokenizer to `out_dir`; return the path."""
+def tiny_moe_config(vocab_size: int, **overrides):
+    from transformers import Qwen3MoeConfig
+
+    fields = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        router_aux_loss_coef=0.0,
+    )
+    fields.update(overrides)
+    return Qwen3MoeConfig(**fields)
+
+
+def build_tiny_model(out_dir: str | Path, *, seed: int = 0, vocab_size: int = 512, moe: bool = False,
+                     **config_overrides) -> Path:
+    """Write a tiny Llama (or, with `moe`, Qwen3-MoE) model and its tokenizer to `out_dir`."""
     import torch
     from transformers import AutoModelForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_tokenizer(vocab_size)
-    config = tiny_config(len(tokenizer), **config_overrides)
+    config = (tiny_moe_config if moe else tiny_config)(len(tokenizer), **config_overrides)
     config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
     config.bos_token_id = None
@@ -99,5 +129,5 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0, vocab_size: int = 51
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    (out / "atelier_model.json").write_text(json.dumps({"source": "tiny", "seed": seed}) + "\n")
+    (out / "atelier_model.json").write_text(json.dumps({"source": "tiny-moe" if moe else "tiny", "seed": seed}) + "\n")
     return out
