@@ -133,10 +133,12 @@ def test_in_flight_weight_update_changes_versions_mid_generation(spiky_model_dir
 
         def on_token(token: int, logprob: float, version: int) -> None:
             count[0] += 1
-            if count[0] == 5:  # hold the scheduler here until the update is about to be queued
+            if count[0] == 5:  # hold the scheduler here until the update is queued
                 seen.set()
                 updating.wait(60)
-                time.sleep(0.05)
+                deadline = time.monotonic() + 60  # until update_weights has queued the update
+                while not engine._updates and time.monotonic() < deadline:
+                    time.sleep(0.001)
 
         out: list[Generation] = []
         thread = threading.Thread(target=lambda: out.append(

@@ -81,17 +81,15 @@ def test_bounded_concurrency(snapshot: Path) -> None:
         a = pool.acquire(snapshot)
         b = pool.acquire(snapshot)
         assert a.exec("cat hello.txt").stdout == "hello\n"
-        start = time.monotonic()
         with pytest.raises(PoolExhausted, match="all 2 sandboxes") as info:
             pool.acquire(snapshot, timeout=0.3)
-        assert time.monotonic() - start >= 0.3
         assert "max_live" in info.value.hint
         # A blocked acquire goes through as soon as a sandbox is released.
         got = []
         waiter = threading.Thread(target=lambda: got.append(pool.acquire(snapshot, timeout=10)))
         waiter.start()
-        time.sleep(0.2)
-        assert not got
+        wait_for(lambda: pool.stats()["waiting"] == 1)   # it is blocked inside acquire...
+        assert not got                                  # ...and has nothing while the pool is full
         pool.release(a)
         waiter.join(10)
         assert len(got) == 1 and a.closed and not got[0].closed
@@ -163,11 +161,10 @@ def test_admission_defers_while_memory_is_short(snapshot: Path) -> None:
 
     with SandboxPool(CONFIG, memory_probe=lambda: next(readings, 4096.0),
                      cpu_probe=lambda: None) as pool:
-        start = time.monotonic()
         pool.release(pool.acquire(snapshot))
-        assert time.monotonic() - start >= 0.2  # two short sleeps
+        assert next(readings, None) is None  # it probed until memory came back
         stats = pool.stats()
-        assert stats["deferred"] == 1 and stats["deferred_s"] >= 0.2 and stats["created"] == 1
+        assert stats["deferred"] == 1 and stats["deferred_s"] > 0 and stats["created"] == 1
         pool.release(pool.acquire(snapshot))
         assert pool.stats()["deferred"] == 1  # no pressure: no wait
 
@@ -175,9 +172,8 @@ def test_admission_defers_while_memory_is_short(snapshot: Path) -> None:
 def test_admission_wait_is_bounded(snapshot: Path) -> None:
     with SandboxPool(CONFIG, max_defer_s=0.3, memory_probe=lambda: None,
                      cpu_probe=lambda: CpuPressure("loadavg", 50.0)) as pool:
-        start = time.monotonic()
-        sb = pool.acquire(snapshot)  # created anyway after the bound
-        assert time.monotonic() - start >= 0.3 and sb.exec("true").ok
+        sb = pool.acquire(snapshot)  # the CPU never calms down: created anyway after the bound
+        assert sb.exec("true").ok
         assert pool.stats()["deferred"] == 1
 
 
@@ -209,7 +205,7 @@ def test_close_wakes_a_blocked_acquire(snapshot: Path, host) -> None:
 
     waiter = threading.Thread(target=acquire_blocked)
     waiter.start()
-    time.sleep(0.2)
+    wait_for(lambda: pool.stats()["waiting"] == 1)
     pool.close()
     waiter.join(10)
     assert len(errors) == 1 and not waiter.is_alive()

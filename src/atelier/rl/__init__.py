@@ -6,7 +6,8 @@
 - `trainer`, `checkpoint`: full-parameter AdamW on a Hugging Face model; step checkpoints.
 - `weight_sync`: `WeightSync.publish/latest`, in-process and XOR delta chain.
 - `env` (toy environment, `Environment` protocol), `task_env` (real tasks through the harness).
-- `backends` (threads, one process) and `ray_launcher` (Ray actors; the only module importing ray).
+- `backends` (threads, one process) and `ray_launcher` (Ray actors; with `atelier.sandbox.ray_pool`,
+  one of the two modules that import ray).
 - `run`: `run_training(config, run_dir, resume) -> TrainSummary`, the driver.
 
 Heavy modules are not imported here: `from atelier.rl.run import run_training`.

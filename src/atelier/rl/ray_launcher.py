@@ -1,4 +1,7 @@
-"""The Ray launcher: inference and environments as Ray actors (the only module that imports ray).
+"""The Ray launcher: inference and environments as Ray actors.
+
+Ray is imported by two modules only: this one (placement of the RL run) and
+`atelier.sandbox.ray_pool` (sandboxes on Ray worker nodes).
 
 - `InferenceActor` holds a `LocalEngine` (continuous batching); it is a
   threaded actor, so many `generate` calls block inside it at once and the

@@ -40,6 +40,17 @@ half-applied, as any overlay would).
 Ownership: `close()` closes every sandbox the pool handed out or holds as a
 spare, and waits for creations in flight. Forks (`sb.fork()`) belong to the
 caller, who must close them (the backend still kills them at exit).
+
+Where it is meant to be used, and where it is not (yet): RL rollouts and
+evaluation create their sandboxes directly (`atelier.harness.episode`), one
+per episode and one per grade. A bwrap sandbox is created in about 14 ms
+(p50, benchmarks/RESULTS.md) against episodes of seconds to minutes, so a
+warm spare would save under 1% there, and the reconciler's `workers` and
+eval's `concurrency` already bound how many run at once. The pool pays off
+where creation is on the critical path: many short episodes at high
+concurrency (tool-light environments, interactive use), admission under host
+memory or CPU pressure, and sandboxes on other nodes (`RaySandboxPool`,
+which wraps one pool per node). Today only their tests reach them.
 """
 
 from __future__ import annotations
@@ -128,6 +139,7 @@ class SandboxPool:
         self._warm: collections.OrderedDict[PoolKey, _Warm] = collections.OrderedDict()  # LRU first
         self._n_spares = 0
         self._creating = 0
+        self._waiting = 0                # acquires blocked on a full pool (stats: "waiting")
         self._counts: collections.Counter[str] = collections.Counter()
         self._deferred_s = 0.0
         self._create_ms: collections.deque[float] = collections.deque(maxlen=CREATE_WINDOW)
@@ -170,7 +182,11 @@ class SandboxPool:
                             f"all {self.max_live} sandboxes of the pool stayed in use for {timeout:g} s",
                             hint="release sandboxes when done (`with pool.sandbox(snapshot) as sb:`), "
                             "raise `max_live`, or pass a longer `timeout`")
-                    self._cond.wait(remaining)
+                    self._waiting += 1
+                    try:
+                        self._cond.wait(remaining)
+                    finally:
+                        self._waiting -= 1
                 self._creating += 1
         finally:
             if evicted is not None:
@@ -218,6 +234,7 @@ class SandboxPool:
             return {
                 "created": self._counts["created"], "failed": self._counts["failed"],
                 "live": len(self._live), "warm": self._n_spares, "creating": self._creating,
+                "waiting": self._waiting,
                 "warm_hits": self._counts["warm_hits"], "evicted": self._counts["evicted"],
                 "deferred": self._counts["deferred"], "deferred_s": round(self._deferred_s, 3),
                 "create_p50_ms": percentile(times, 50), "create_p99_ms": percentile(times, 99),
