@@ -38,6 +38,7 @@ def eval_cmd(
 ) -> None:
     """Evaluate MODEL on TASKS: sandbox per attempt, agent loop, hidden-test grading.
     Example: atelier eval --model scripted:gold --tasks suite/ --passes 2 --out runs/gold"""
+    # Long on purpose: one typer option per line is the command's interface; the body is short.
     from atelier.config import load_config
     from atelier.eval.models import open_eval_model
     from atelier.eval.prices import load_prices

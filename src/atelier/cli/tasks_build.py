@@ -36,6 +36,7 @@ def build_suite_cmd(
     validated (gold passes each run, empty patch fails) before it lands in OUT.
     Run it again to resume; OUT/build-report.json says what was dropped and why.
     Example: atelier tasks build --suite atelier-bench --out suites/bench --jobs 2"""
+    # Long on purpose: one typer option per line is the command's interface; the body is short.
     if ctx.invoked_subcommand is not None:
         if suite is not None:
             from atelier.tasks.schema import TaskError

@@ -144,6 +144,8 @@ def compute_metrics(records: Sequence[EvalRecord], *, passes: int | None = None,
                     threshold: float = 1.0, model: str = "", z: float = Z_95) -> EvalMetrics:
     """All metrics of one run. `passes` (K) bounds pass@k; default: the most
     attempts any task has."""
+    # Long on purpose: one pass over the records per block of `EvalMetrics` fields, in field order; each
+    # line sets one metric, and the formulas are the small functions above.
     by_task: dict[str, list[EvalRecord]] = defaultdict(list)
     for rec in records:
         by_task[rec.task_id].append(rec)

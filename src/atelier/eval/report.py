@@ -164,6 +164,7 @@ def per_task_table(runs: Sequence[RunData], traj_ids: dict[tuple[int, str, int],
 def build_report(run_dirs: Sequence[str | Path], out: str | Path, *,
                  max_trajectories: int = MAX_TRAJECTORIES, title: str = "atelier report") -> Path:
     """Write the page for `run_dirs` to `out` and return its path."""
+    # Long on purpose: the page's sections in page order, each made by its own function.
     from atelier.eval import plots
     from atelier.eval.viewer import VIEWER_JS, viewer_html
     from atelier.harness.trajectory import Trajectory

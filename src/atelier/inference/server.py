@@ -160,6 +160,8 @@ def _extension(gen: Generation, prompt_ids: list[int] | None = None) -> dict[str
 
 def create_app(engine) -> FastAPI:
     """The FastAPI app serving `engine` (a `LocalEngine`); see the module docstring."""
+    # Long on purpose: FastAPI routes are closures over the engine and the settings, each a few lines;
+    # this function is the list of them.
     app = FastAPI(title="atelier inference")
     tokenizer = engine.tokenizer
 
@@ -263,6 +265,8 @@ def _stream(engine, prompt: list[int], params: SamplingParams, base: dict[str, A
     tokens so far (a token that ends inside a multi-byte character holds its
     text back until the character completes); token ids are never held back.
     """
+    # Long on purpose: one SSE generator over the queue from the engine's thread and the text decoded so
+    # far; `on_token`, `run` and `chunk` are closures over that state, each a few lines.
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     tokenizer = engine.tokenizer

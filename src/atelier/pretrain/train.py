@@ -58,6 +58,8 @@ class RunResult:
 def run_pretrain(config: PretrainConfig, run_dir: str | Path, *, resume: bool = False,
                  quiet: bool = True) -> RunResult:
     """Run (or resume) every phase of `config` in `run_dir`; return where the model is."""
+    # Long on purpose: ranks, resume and corpus set-up, then each phase's loop in commit order (batches,
+    # step, metrics, checkpoint), as torchtitan's train loop reads; helpers hold each line's logic.
     import torch
 
     from atelier import distributed as D

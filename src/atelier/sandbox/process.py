@@ -64,6 +64,8 @@ def run_process(
 ) -> ExecResult:
     """Run `argv`; `on_start` receives the pid (= process group id) once it
     runs, for owners that must kill leftovers later."""
+    # Long on purpose: one selector loop owns the pipes, the pidfd and the deadline; `pump` and `drain`
+    # are closures over that state, and pulling them out would make a class for this one caller.
     start = time.monotonic()
     proc = subprocess.Popen(
         list(argv),

@@ -372,6 +372,9 @@ def build_release_task(old_dir: str | Path, new_dir: str | Path, out: str | Path
     the probe runs, FAIL_TO_PASS and PASS_TO_PASS (a slow or flaky module
     left out); every new test file is still hidden and restored at grading.
     """
+    # Long on purpose: it reads as the recipe in order (versions, changelog entry, gold diff, hidden tests,
+    # probe runs on base and gold, write); each step's logic is a function above, and the rest shares
+    # `report` and `drop`, which pieces would only pass around.
     from atelier.tasks.writer import write_task
 
     old, new = Path(old_dir).resolve(), Path(new_dir).resolve()

@@ -262,6 +262,8 @@ class _Builder:
         return res
 
     def mutation(self, entry: MutationEntry, count: int) -> EntryResult:
+        # Long on purpose: `accept` and `on_progress` are closures over this entry's result and counters,
+        # handed to build_mutation_tasks; the batch edge (the broad except) belongs with them.
         from atelier.tasks.mutation_tasks import (MutationBuildError, build_mutation_tasks,
                                                   sandbox_pytest_runner)
 
