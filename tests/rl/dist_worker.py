@@ -1,8 +1,9 @@
 """One trainer rank for tests/rl/test_distributed.py: `python -m tests.rl.dist_worker SPEC OUT`.
 
 Builds the step's samples from the spec (the same on every rank), takes
-`steps` trainer steps and writes, on rank 0, each step's metrics and the
-final full weights to OUT.
+`steps` RL trainer steps, then `steps` SFT steps of the pretrain loop on
+padded rows of random lengths, and writes, on rank 0, each step's metrics
+and the final full weights of both to OUT.
 """
 
 from __future__ import annotations
@@ -44,10 +45,37 @@ def run(spec: dict, out: Path | None) -> tuple[list[dict], dict[str, torch.Tenso
         samples = make_samples(spec.get("seed", 0) + step, spec["samples"], vocab)
         metrics.append(trainer.train_step(samples))
     state = trainer.state_dict()
+    sft_metrics, sft_state = run_sft(spec, trainer.ranks)
     if out is not None and trainer.ranks.main:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "metrics.json").write_text(json.dumps(metrics))
-        torch.save(state, out / "state.pt")
+        (out / "metrics.json").write_text(json.dumps({"rl": metrics, "sft": sft_metrics}))
+        torch.save({"rl": state, "sft": sft_state}, out / "state.pt")
+    return {"rl": metrics, "sft": sft_metrics}, {"rl": state, "sft": sft_state}
+
+
+def run_sft(spec: dict, ranks) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """The pretrain loop's step on SFT-like rows (padding masked out), fp32."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from atelier import distributed as D
+    from atelier.pretrain.batches import ExampleBatches
+    from atelier.pretrain.config import PhaseConfig
+    from atelier.pretrain.train import _train_step
+
+    lm = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    head = D.shard(D.PolicyHead(lm, 5), ranks, "fp32")
+    optimizer = torch.optim.AdamW(head.parameters(), lr=1e-3)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, lm.config.vocab_size, size=(12, 24))
+    mask = np.zeros_like(ids)
+    for row, n in enumerate(rng.integers(3, 24, size=12)):
+        mask[row, 1:n] = 1
+    phase = PhaseConfig(name="sft", kind="sft", steps=spec.get("steps", 1), seq_len=24, micro_batch=2,
+                        grad_accum=3, lr=1e-3, trajectories=["unused"])
+    batches = ExampleBatches(ids, mask, 0, 0)
+    metrics = [_train_step(head, optimizer, batches, phase, step, ranks, "fp32") for step in range(phase.steps)]
+    state = {k.removeprefix("lm."): v for k, v in D.full_state_dict(head, ranks).items()}
     return metrics, state
 
 

@@ -71,7 +71,8 @@ def test_balanced_partition_balances_tokens_and_every_rank_runs_the_same_passes(
 
 
 def test_two_ranks_take_the_one_rank_step(tiny_model_dir, tmp_path):
-    """RL loss with KL, 2 steps: the same loss, grad norm and weights (fp32, 1e-5 relative)."""
+    """RL loss (with KL) and the SFT loss of the pretrain loop, 2 steps each: the same loss,
+    grad norm and updated weights on 1 and 2 ranks (fp32, 1e-5 relative)."""
     spec = {"model": str(tiny_model_dir), "samples": 9, "steps": 2,
             "trainer": {"lr": 1e-3, "norm_tokens": 64, "micro_batch": 3, "precision": "fp32",
                         "logprob_chunk": 7, "kl_beta": 0.05}}
@@ -81,16 +82,19 @@ def test_two_ranks_take_the_one_rank_step(tiny_model_dir, tmp_path):
               env=rank_env())
     two = json.loads((tmp_path / "out" / "metrics.json").read_text())
     state_two = torch.load(tmp_path / "out" / "state.pt")
-    for a, b in zip(one, two):
+    for a, b in zip(one["rl"], two["rl"]):
         assert b["ranks"] == 2 and a["ranks"] == 1
         for key in ("loss", "grad_norm", "train_tokens", "is_weight_mean", "kl_k1", "entropy"):
             assert_rel(a[key], b[key])
         assert a["staleness_hist"] == b["staleness_hist"]
-    assert set(state_one) == set(state_two)
-    for k, v in state_one.items():
-        assert float((v - state_two[k]).norm() / v.norm()) < 1e-5, k
-    moved = sum(float((v - state_two[k]).abs().max()) for k, v in state_one.items())
-    assert moved < 1e-3
+    for a, b in zip(one["sft"], two["sft"]):
+        assert (a["ranks"], b["ranks"], a["targets"]) == (1, 2, b["targets"])
+        assert_rel(a["loss"], b["loss"])
+        assert_rel(a["grad_norm"], b["grad_norm"])
+    for part in ("rl", "sft"):
+        assert set(state_one[part]) == set(state_two[part])
+        for k, v in state_one[part].items():
+            assert float((v - state_two[part][k]).norm() / v.norm()) < 1e-5, (part, k)
 
 
 def test_a_rank_that_dies_stops_the_job_with_a_message(tmp_path):
