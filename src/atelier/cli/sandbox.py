@@ -18,6 +18,7 @@ from atelier.cli.options import Backend
 class Network(str, enum.Enum):
     none = "none"
     host = "host"
+    proxy = "proxy"
 
 
 sandbox_app = typer.Typer(help="Isolated coding environments.", no_args_is_help=True)
@@ -32,17 +33,30 @@ def run(
     workspace: Path = typer.Option(..., "--workspace", "-w", help="Directory to run over; never changed."),
     timeout: float = typer.Option(60.0, "--timeout", help="Wall-clock limit in seconds (exit 124 past it)."),
     memory_mb: int = typer.Option(2048, "--memory-mb", help="Address-space limit per process."),
-    network: Network = typer.Option(Network.none, "--network", help="none (sealed) or host (explicit)."),
+    network: Network = typer.Option(Network.none, "--network",
+                                    help="none (sealed), proxy (only --allow pairs, through a logging "
+                                         "HTTP(S) proxy) or host (explicit)."),
+    allow: List[str] = typer.Option([], "--allow", metavar="HOST:PORT",
+                                    help="With --network proxy: a host:port the sandbox may reach (repeat)."),
+    egress_log: Path = typer.Option(None, "--egress-log",
+                                    help="With --network proxy: append one JSON line per attempt here."),
     backend: Backend = typer.Option(Backend.bwrap, "--backend", help="bwrap (isolated) or local (isolates nothing)."),
     show_diff: bool = typer.Option(False, "--diff", help="Print the workspace diff afterwards."),
 ) -> None:
     """Run one command in a fresh sandbox over DIR, streaming its output, and
-    exit with its exit code. Example: atelier sandbox run -w . -- pytest -q"""
+    exit with its exit code. Example: atelier sandbox run -w . -- pytest -q;
+    with egress: atelier sandbox run -w . --network proxy --allow pypi.org:443
+    --allow files.pythonhosted.org:443 -- pip download requests"""
     from atelier.sandbox import SandboxConfig, create_sandbox
     from atelier.config import load_config
 
-    config = load_config(SandboxConfig, None, [f"timeout_s={timeout}", f"memory_mb={memory_mb}",
-                                               f"network={network.value}", f"backend={backend.value}"])
+    overrides = [f"timeout_s={timeout}", f"memory_mb={memory_mb}", f"network={network.value}",
+                 f"backend={backend.value}"]
+    if allow:
+        overrides.append(f"egress.allow={json.dumps(allow)}")
+    if egress_log is not None:
+        overrides.append(f"egress.log={json.dumps(str(egress_log))}")
+    config = load_config(SandboxConfig, None, overrides)
 
     def stream(name: str, chunk: bytes) -> None:
         out = sys.stdout if name == "stdout" else sys.stderr

@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import Callable, Literal, Sequence, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from atelier.errors import AtelierError
 
@@ -23,6 +23,45 @@ OutputCallback = Callable[[str, bytes], None]
 
 WORKDIR = "/workspace"
 MiB = 1024 * 1024
+
+
+def parse_host_port(entry: str) -> tuple[str, int]:
+    """Split `host:port` (`[v6]:port` for IPv6; `*.example.org:443` for every
+    subdomain) into a lower-case host and a port; ValueError when malformed."""
+    host, sep, port = entry.strip().rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    host = host.lower().rstrip(".")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{entry!r} is not host:port (e.g. pypi.org:443, [::1]:8080)")
+    if any(c.isspace() or c in "/@?#[]" for c in host):
+        raise ValueError(f"{entry!r}: {host!r} is not a host name or address")
+    return host, int(port)
+
+
+class EgressConfig(BaseModel):
+    """What a sandbox with `network = "proxy"` may reach (see `egress`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    allow: list[str] = Field(default_factory=list)
+    """`host:port` pairs the proxy lets through, e.g. `pypi.org:443`;
+    `*.example.org:443` allows every subdomain of example.org. Matched on the
+    name the client asks for (the proxy resolves it), never on an address
+    the sandbox resolved. Everything else is refused with 403."""
+    log: str | None = None
+    """A file to which every attempt is appended as one JSON line (time,
+    method, host, port, allowed or denied, why); always logged at INFO too."""
+    port: int = Field(3128, gt=0, lt=65536)
+    """The loopback port inside the sandbox where the proxy answers;
+    HTTP(S)_PROXY of every command point there."""
+
+    @field_validator("allow")
+    @classmethod
+    def _pairs(cls, allow: list[str]) -> list[str]:
+        for entry in allow:
+            parse_host_port(entry)
+        return allow
 
 
 class SandboxConfig(BaseModel):
@@ -51,9 +90,13 @@ class SandboxConfig(BaseModel):
     """CPU seconds per process (RLIMIT_CPU)."""
     output_limit_bytes: int = Field(1 * MiB, gt=0)
     """Captured stdout and stderr are each cut here, with a visible marker."""
-    network: Literal["none", "host"] = "none"
+    network: Literal["none", "host", "proxy"] = "none"
     """`none`: a network namespace with only its own loopback. `host`: the host's
-    network, explicitly and loudly."""
+    network, explicitly and loudly. `proxy`: the loopback only, plus an
+    HTTP(S) proxy on the host that lets through the `egress.allow` pairs and
+    logs every attempt (bwrap backend only)."""
+    egress: EgressConfig = Field(default_factory=EgressConfig, validate_default=True)
+    """The policy of `network = "proxy"`."""
     workspace: Literal["overlay", "copy"] = "overlay"
     """`overlay`: copy-on-write over the snapshot (creation and fork cost the
     same at any repository size); falls back to `copy` where the kernel refuses
@@ -70,6 +113,16 @@ class SandboxConfig(BaseModel):
     sandbox's users run as (its uid 0), instead of host root. Pick an id that
     no account or file on the host uses; the default lies in the range that
     systemd leaves unassigned."""
+
+    @field_validator("egress")
+    @classmethod
+    def _egress_needs_proxy(cls, egress: EgressConfig, info: ValidationInfo) -> EgressConfig:
+        network, backend = info.data.get("network"), info.data.get("backend")
+        if egress.allow and network not in ("proxy", None):
+            raise ValueError(f"egress.allow is used only with network = 'proxy' (network is {network!r})")
+        if network == "proxy" and backend not in ("bwrap", None):
+            raise ValueError("network = 'proxy' needs the bwrap backend (the local backend has the host's network)")
+        return egress
 
     @field_validator("ro_mounts")
     @classmethod

@@ -16,8 +16,11 @@ Isolated:
   `disk_mb` too.
 - Network. With `network="none"` (the default) the sandbox has its own
   network namespace with only a loopback: no route out, no DNS, and the host's
-  loopback listeners are unreachable. `network="host"` shares the host's
-  network and logs a warning.
+  loopback listeners are unreachable. `network="proxy"` keeps that namespace
+  and adds one way out: an HTTP(S) proxy on the host, reached through a Unix
+  socket bound in and a loopback port, that lets through only the
+  `egress.allow` host:port pairs and logs every attempt (see `egress`).
+  `network="host"` shares the host's network and logs a warning.
 - Processes. Its own PID namespace: host processes are invisible and cannot be
   signalled. `close()` kills the namespace's init, and the kernel then kills
   every process in it, daemons that double-forked and called `setsid`
@@ -73,6 +76,7 @@ import shutil
 import signal
 import subprocess
 import threading
+import uuid
 import weakref
 from pathlib import Path
 
@@ -96,7 +100,8 @@ from atelier.sandbox.base import (
     workspace_relpath,
 )
 from atelier.sandbox.cgroups import SandboxCgroup
-from atelier.sandbox.hostfs import SANDBOX_PATH, generated_etc_files, system_bind_args
+from atelier.sandbox import egress
+from atelier.sandbox.hostfs import SANDBOX_PATH, generated_etc_files, runtime_dir, system_bind_args
 from atelier.sandbox.layers import Layer
 from atelier.sandbox.rootmap import Stage, acting_as, check_mapped, running_as_root
 from atelier.sandbox.process import run_process
@@ -151,6 +156,9 @@ class BwrapSandbox(Sandbox):
             )
         if self.config.network == "host":
             log.warning("sandbox over %s shares the HOST network (network='host')", self.snapshot)
+        self.name = f"{self.snapshot.name}-{uuid.uuid4().hex[:8]}"
+        self._proxy: egress.EgressProxy | None = None
+        self._forwarder: egress.LoopbackForwarder | None = None
         # Layers frozen by fork(), topmost first; the snapshot is the bottom.
         self._layers = list(_layers or [])
         for layer in self._layers:
@@ -181,7 +189,7 @@ class BwrapSandbox(Sandbox):
                 # every exec drops all capabilities.
                 "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_DAC_OVERRIDE",
                 "--hostname", "sandbox", "--new-session", "--clearenv", "--setenv", "PATH", SANDBOX_PATH]
-        if cfg.network == "none":
+        if cfg.network != "host":
             argv.append("--unshare-net")
         argv += system_bind_args()
         for src, dest in generated_etc_files():
@@ -206,6 +214,8 @@ class BwrapSandbox(Sandbox):
         for spec in cfg.ro_mounts:
             src, _, dest = spec.partition(":")
             argv += ["--ro-bind", stage.source(src), dest or src]
+        if self._proxy is not None:
+            argv += ["--ro-bind", stage.source(self._proxy.path), egress.SOCKET_INSIDE]
         argv += ["--remount-ro", "/", "--chdir", "/",
                  "/bin/sh", "-c", HOLDER_SCRIPT, "atelier-holder", ":".join(lowers), self._requested_mode]
         argv = stage.launch(argv, copy_index=len(argv) - 1)
@@ -230,6 +240,9 @@ class BwrapSandbox(Sandbox):
             if not os.path.exists(spec.partition(":")[0]):
                 raise SandboxError(f"read-only mount source {spec.partition(':')[0]!r} does not exist",
                                    hint="fix the path in `ro_mounts`")
+        if self.config.network == "proxy":
+            sock = runtime_dir() / f"egress-{self.name[-8:]}.sock"
+            self._proxy = egress.EgressProxy(self.config.egress, sock, self.name)
         self._proc = subprocess.Popen(
             self._bwrap_argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, env={"PATH": os.environ.get("PATH", SANDBOX_PATH)},
@@ -259,6 +272,9 @@ class BwrapSandbox(Sandbox):
         finally:
             os.close(root_fd)
         self._upper_fd = os.open(f"/proc/{self._holder_pid}/cwd", os.O_RDONLY | os.O_DIRECTORY)
+        if self._proxy is not None:
+            listener = egress.listen_inside(self._holder_pid, self.config.egress.port)
+            self._forwarder = egress.LoopbackForwarder(listener, self._proxy.path, self.name)
 
     @property
     def closed(self) -> bool:
@@ -288,6 +304,12 @@ class BwrapSandbox(Sandbox):
         _live.discard(self)
 
     def _release(self) -> None:
+        for server in (self._forwarder, self._proxy):
+            if server is not None:
+                server.close()
+        if self._proxy is not None:
+            self._proxy.path.unlink(missing_ok=True)
+        self._forwarder = self._proxy = None
         for layer in self._layers:
             layer.release()
         self._layers = []
@@ -332,8 +354,9 @@ class BwrapSandbox(Sandbox):
         ]
         if self._cgroup is not None:
             full = self._cgroup.wrap(full)
+        proxy = egress.proxy_env(cfg.egress.port) if cfg.network == "proxy" else {}
         run_env = {"PATH": SANDBOX_PATH, "HOME": "/tmp", "LANG": "C.UTF-8", "TERM": "dumb",
-                   "TMPDIR": "/tmp", **cfg.env, **(env or {})}
+                   "TMPDIR": "/tmp", **proxy, **cfg.env, **(env or {})}
         return run_process(full, env=run_env, cwd=None, timeout=timeout or cfg.timeout_s,
                            output_limit=cfg.output_limit_bytes, stdin=stdin, on_output=on_output)
 
