@@ -80,12 +80,13 @@ def test_agent_conftest_cannot_rewrite_results(task, env_cache: Path, h) -> None
     assert r.tests["tests/test_calc.py::test_add"] == "failed"
 
 
-def test_exit_zero_before_tests_is_an_error(task, env_cache: Path, h) -> None:
+def test_exit_zero_before_tests_is_tampered(task, env_cache: Path, h) -> None:
     exits = "import os\nprint('4 passed')\nos._exit(0)\n"
     patch = h.make_patch({"calc/__init__.py": (h.REPO["calc/__init__.py"], exits)})
     r = run(task, patch, env_cache)
-    assert r.reward == 0.0 and not r.infra_error
-    assert "no result file" in r.error and r.exit_code == 0
+    assert r.reward == 0.0 and not r.infra_error and r.tampered
+    assert "no closing record" in r.error and r.exit_code is None
+    assert any("process exit" in s for s in r.tamper_suspect)
 
 
 def test_patch_that_does_not_apply(task, env_cache: Path) -> None:
@@ -133,6 +134,7 @@ def test_cli_grade_json_and_show(task_dir: Path, env_cache: Path, tmp_path: Path
     cli_ok("tasks", "grade", str(task_dir), "--patch", str(task_dir / "gold.patch"), "--json")
     out = json.loads(capsys.readouterr().out)
     assert out["reward"] == 1.0 and out["error"] is None
+    assert out["tampered"] is False and out["tamper_suspect"] == []
     assert out["fail_to_pass"] == {"passed": 1, "total": 1}
     assert out["pass_to_pass"] == {"passed": 3, "total": 3}
     cli_ok("tasks", "grade", str(task_dir), "--patch", str(empty), "--json")

@@ -38,7 +38,8 @@ def test_summarize_counts_and_reasons() -> None:
     assert "gold.patch is empty" in why["broken"]
     assert "infrastructure error" in why["infra"]
     assert reason(checks[0]) is None
-    assert summarize([]) == {"tasks": 0, "valid": 0, "invalid": [], "flaky": 0, "runs": 0}
+    assert summarize([]) == {"tasks": 0, "valid": 0, "invalid": [], "flaky": 0, "runs": 0,
+                             "tampered": [], "tamper_suspect": []}
 
 
 def test_patch_stats_counts_lines_not_headers(h) -> None:

@@ -43,13 +43,18 @@ def grade_cmd(
     data = result.to_json()
     if as_json:
         print(json.dumps({k: data[k] for k in ("reward", "fail_to_pass", "pass_to_pass", "tests",
-                                                "error", "infra_error", "exit_code", "timeout_s")}))
+                                                "error", "infra_error", "exit_code", "timeout_s",
+                                                "tampered", "tamper", "tamper_suspect")}))
         return
     f, p = result.fail_to_pass, result.pass_to_pass
     typer.echo(f"task {task.id}: reward {result.reward:g}")
     typer.echo(f"  fail_to_pass {f.passed}/{f.total}   pass_to_pass {p.passed}/{p.total}")
     for node, status in result.tests.items():
         typer.echo(f"  {status:8} {node}")
+    for why in result.tamper:
+        typer.echo(f"  TAMPERED: {why}")
+    for finding in result.tamper_suspect:
+        typer.echo(f"  tamper_suspect: {finding}")
     if result.error:
         kind = "infrastructure error" if result.infra_error else "grading error"
         typer.echo(f"  {kind}: {result.error}")
@@ -113,6 +118,11 @@ def validate_cmd(
                    f"(gold x{runs}, empty x1); {summary['flaky']} flaky")
         for bad in summary["invalid"]:
             typer.echo(f"  INVALID {bad['id']}: {bad['reason']}")
+        if summary["tampered"]:
+            typer.echo(f"  gold graded tampered (a grader false positive): {', '.join(summary['tampered'])}")
+        if summary["tamper_suspect"]:
+            typer.echo(f"  gold flagged tamper_suspect by the static screen: "
+                       f"{', '.join(summary['tamper_suspect'])}")
     if summary["invalid"]:
         raise typer.Exit(1)
 

@@ -21,6 +21,8 @@ Definitions (n_t = valid attempts of task t, c_t = successful ones):
   passes (with 0/1 rewards, the fraction of tasks solved at least once).
 - Cost and latency: medians over valid attempts (one attempt = one task,
   one pass), plus totals and means.
+- Tampered: valid attempts the grader found tampering with the tests
+  (`atelier.tasks.tamper`); they score 0 and are counted, never excluded.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Sequence
 
 from atelier.eval.records import EvalRecord
+from atelier.tasks.tamper import is_tampered
 
 Z_95 = 1.959963984540054
 
@@ -117,6 +120,9 @@ class EvalMetrics:
     broken_call_rate: float | None = None
     """Broken calls per tool call."""
     exit_reasons: dict[str, int] = field(default_factory=dict)
+    tampered: int = 0
+    """Graded attempts whose tests the patch tampered with (reward 0,
+    `grade_error` starts with "tampered: ")."""
     per_task: list[TaskStats] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -153,6 +159,7 @@ def compute_metrics(records: Sequence[EvalRecord], *, passes: int | None = None,
     K = passes if passes is not None else max((len(v) for v in by_task.values()), default=0)
     m = EvalMetrics(model=model or next((r.model for r in records if r.model), ""),
                     tasks=len(by_task), passes=K, attempts=len(records), valid_attempts=len(valid))
+    m.tampered = sum(is_tampered(r.grade_error) for r in valid)
     for rec in records:
         if rec.infra_error:
             m.infra_errors += 1

@@ -104,7 +104,7 @@ def _fmt(value: float | None, spec: str = ".3f", unit: str = "") -> str:
 def summary_table(runs: Sequence[RunData]) -> str:
     head = ["run", "model", "tasks", "passes", "accuracy (95% CI)", "pass@1", "pass@K", "best-of-K",
             "median cost / task", "total cost", "median latency", "turns", "tool calls",
-            "broken calls", "tokens in / out per attempt", "infra errors"]
+            "broken calls", "tokens in / out per attempt", "infra errors", "tampered"]
     rows = []
     for run in runs:
         m = run.metrics
@@ -127,7 +127,8 @@ def summary_table(runs: Sequence[RunData]) -> str:
                                                           m.infra_error_types.items()) + ")"
                                         if m.infra_error_types else "")
                 + (f"; {m.infra_error_attempts} attempt(s) hit one"
-                   if m.infra_error_attempts > m.infra_errors else "")]
+                   if m.infra_error_attempts > m.infra_errors else ""),
+                 m.tampered]
         rows.append("<tr>" + "".join(f"<td>{escape(str(c))}</td>" for c in cells) + "</tr>")
     if not rows:
         return '<p class="muted">No evaluation results.</p>'

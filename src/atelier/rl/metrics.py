@@ -10,6 +10,7 @@ from typing import Any, Callable
 from atelier.errors import AtelierError
 from atelier.rl.advantages import group_stats
 from atelier.rl.reconciler import Batch
+from atelier.tasks.tamper import is_tampered
 
 
 class MetricsWriter:
@@ -35,14 +36,17 @@ class MetricsWriter:
 def step_metrics(*, step: int, batch: Batch, ledger_counts: dict[str, int], train: dict[str, Any], sync,
                  engine_swap_s: float, counters, idle_s: float, busy_s: float, wall_s: float,
                  mode: str) -> dict[str, Any]:
-    """Reward and its parts, pass rate, best-of-K, staleness, IS weights, KL, entropy, throughput."""
-    rewards, parts, per_group = [], Counter(), []
+    """Reward and its parts, pass rate, best-of-K, staleness, IS weights, KL, entropy, throughput;
+    `tampered`: samples whose grading found the tests tampered with (reward 0)."""
+    rewards, parts, per_group, tampered = [], Counter(), [], 0
     for group in batch.groups:
         slots = [s for s in batch.slots if s.group_id == group.group_id]
         per_group.append(group_stats([s.reward for s in slots], [s.passed for s in slots]))
         for s in slots:
             rewards.append(s.reward)
-            for k, v in batch.trajectories[s.slot_id].reward_parts.items():
+            traj = batch.trajectories[s.slot_id]
+            tampered += is_tampered(getattr(traj, "limits", {}).get("grade_error"))
+            for k, v in traj.reward_parts.items():
                 parts[k] += v
     n = max(len(rewards), 1)
     interval = max(idle_s + busy_s, 1e-9)
@@ -54,6 +58,7 @@ def step_metrics(*, step: int, batch: Batch, ledger_counts: dict[str, int], trai
         "pass_rate": sum(g["pass_rate"] for g in per_group) / max(len(per_group), 1),
         "best_of_k": sum(g["best_of_k"] for g in per_group) / max(len(per_group), 1),
         "groups": len(batch.groups), "samples": len(rewards),
+        "tampered": tampered,
         "gen_tokens": counters.gen_tokens, "gen_tokens_per_s": counters.gen_tokens / gen_interval,
         "rollouts": counters.rollouts, "rollout_failures": counters.failures,
         "trainer_idle_s": idle_s, "trainer_busy_s": busy_s, "trainer_idle_fraction": idle_s / interval,

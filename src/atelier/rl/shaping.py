@@ -9,6 +9,12 @@
   trained on as negative samples, never discarded (discarding them was a
   reward hack: the model learned that breaking a call erases a bad episode).
 - To-dos: a penalty per to-do item created and left unfinished.
+- Tamper suspicion (off by default): a fixed penalty when the static screen
+  (`atelier.tasks.screen`) flags the final diff for reaching into test
+  machinery or process exit. A tampered run already scores 0 whatever the
+  shaping; this term only prices the attempt, so a policy learns not to try.
+  It is off by default because a real fix may legitimately register an exit
+  hook or write `sys.modules`; `tamper_suspect_flag` is logged either way.
 
 `shape_reward` returns a dict of parts whose "total" is the reward used for
 the advantage; the rest is logged as is.
@@ -41,6 +47,8 @@ class ShapingConfig(AtelierConfig):
     turn_weight: float = 20.0
     broken_call_penalty: float = 0.1
     unfinished_todo_penalty: float = 0.05
+    tamper_suspect_penalty: float = Field(0.0, ge=0)
+    """Subtracted when the static screen flags the final diff (0 turns it off)."""
 
 
 def length_cost(x: float, k: float, q: float) -> float:
@@ -63,7 +71,8 @@ def unfinished_todos(todos: list[dict[str, Any]]) -> int:
 
 
 def shape_reward(correctness: float, *, tokens: dict[str, int], tool_calls: int, turns: int,
-                 broken_calls: int, todos: list[dict[str, Any]], cfg: ShapingConfig) -> dict[str, float]:
+                 broken_calls: int, todos: list[dict[str, Any]], cfg: ShapingConfig,
+                 tamper_suspect: bool = False) -> dict[str, float]:
     """All parts of the reward; parts["total"] is their sum."""
     x = length_units(tokens, tool_calls, turns, cfg)
     parts = {
@@ -71,16 +80,23 @@ def shape_reward(correctness: float, *, tokens: dict[str, int], tool_calls: int,
         "length": -cfg.length_coef * length_cost(x, cfg.length_k, cfg.length_q),
         "broken_calls": -cfg.broken_call_penalty * broken_calls,
         "unfinished_todos": -cfg.unfinished_todo_penalty * unfinished_todos(todos),
+        "tamper_suspect": -cfg.tamper_suspect_penalty * float(tamper_suspect),
     }
     parts["total"] = sum(parts.values())
     parts["length_x"] = x  # logged, not part of the total
+    parts["tamper_suspect_flag"] = float(tamper_suspect)  # logged, not part of the total
     return parts
 
 
 def shape_trajectory(traj, correctness: float, cfg: ShapingConfig) -> dict[str, float]:
-    """`shape_reward` over a Trajectory's counters; sets traj.reward and reward_parts."""
+    """`shape_reward` over a Trajectory's counters and its final diff's
+    static screen; sets traj.reward and reward_parts."""
+    from atelier.tasks.screen import screen_patch
+
+    suspect = bool(screen_patch(traj.final_diff)) if getattr(traj, "final_diff", None) else False
     parts = shape_reward(correctness, tokens=traj.tokens, tool_calls=traj.num_tool_calls,
-                         turns=traj.turns, broken_calls=traj.broken_calls, todos=traj.todos, cfg=cfg)
+                         turns=traj.turns, broken_calls=traj.broken_calls, todos=traj.todos, cfg=cfg,
+                         tamper_suspect=suspect)
     traj.reward = parts["total"]
     traj.reward_parts = parts
     return parts

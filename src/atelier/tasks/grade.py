@@ -1,50 +1,96 @@
-"""Grade a patch or a sandbox's final state against a task's hidden tests.
+"""Grade a patch or a sandbox's final state against a task's hidden tests:
+the one grading path of `atelier tasks grade`/`validate`, evaluation, RL
+rewards and gold replays.
 
 How (`grade`): a fresh sandbox from the task's snapshot (or a fork of the
 agent's live sandbox) gets the patch (`git apply` inside), then every test
 file the task relies on is put back to the task's version (an agent that
 edited a hidden or target test gets it restored, one that added or replaced
-it by a directory or link gets it removed first), the hidden tests are copied
-in, and the tests run with `--junitxml` to a random path under the sandbox's
-`/tmp`, outside the workspace, read back with `cat`.
+it by a directory or link gets it removed first), every pytest control file
+is reset (`restore_pytest_control`), the hidden tests and a canary module
+with fresh random names are copied in, and pytest runs under the reporter.
 
-What counts (`score`, pure): only the JUnit XML. Printed "PASSED" lines
-count for nothing. No result file, a file with zero tests, or a target test
-absent from it is a grading error with reward 0, never a pass; a skipped
-target test counts as failed; pytest's exit code must agree with the XML
-(exit 0 with failures, exit 1 without any, or any other exit code is an
-error). reward = 1.0 only when every fail_to_pass and every pass_to_pass
-test passed and there was no error.
+The result channel. The code under test runs in the same interpreter as the
+tests, so it can reach anything a file-based report relies on (the old JUnit
+file was rewritten by an exit hook; a dozen lines in the package made pytest
+record failures as passes). So:
+- the test process is `python -I -c BOOTSTRAP`: the reporter's source and
+  the run's configuration, with a fresh nonce, arrive on stdin and stdin is
+  then closed; nothing of it is on the command line, in the environment or in
+  a file;
+- results travel on the stdout pipe the grader opened before the process
+  started; the reporter moves it to a private descriptor before any project
+  code is imported and points descriptor 1 at stderr. The grader collects the
+  bytes as they arrive (`on_output`), so no file the tested process could see
+  or rewrite is ever read back, and bytes once written cannot be taken back;
+- each record carries the nonce, a sequence number and the pid, and a closing
+  record is written only after `pytest.main` returned. A missing or short
+  stream is `tampered` (reward 0), not an infrastructure error;
+- canaries (must pass, must fail, must error; pytest and unittest) have
+  fresh random names in a module at a random path; a wrong outcome is
+  `tampered`;
+- the reporter guards the identity of pytest's call/report/skip machinery,
+  pluggy's hook calling, unittest's run and assertion methods, `sys.exit`,
+  `os._exit`, `atexit` and their `sys.modules` entries, before and after
+  every test; test machinery is imported from the environment before the
+  workspace is on `sys.path` (`-I`), so a `pytest.py` or `unittest.py` in
+  the workspace shadows nothing; `sitecustomize`, `usercustomize`, `.pth`
+  files and PYTHONPATH of the workspace are never read;
+- outcome-deciding hooks implemented by files the patch changed, skips raised
+  from them, and a phase that raised yet was reported passed are `tampered`;
+- the static screen (`atelier.tasks.screen`) records `tamper_suspect`
+  findings; they do not change the reward.
+What each check proves is in `atelier.tasks.tamper`.
+
+Not defended: the code under test shares the interpreter's memory with the
+reporter. A patch written against this reporter in particular can find the
+nonce and the channel (walking `gc` objects or frames, `/proc/self/fd`) and
+forge a whole consistent stream, canaries included, or restore every
+guarded object before each check. Such a patch needs that machinery in the
+package; the static screen flags the usual ways (`gc`, `ctypes`,
+`/proc/self`, `_pytest`), but not code assembled at run time. Isolation of
+the outcome from the code under test would need the tests in a second
+process, which pytest does not do. The sandbox bounds the damage: no network,
+nothing of the host writable, the environment read-only.
+
+What counts (`score`, pure): the statuses the grader built from the stream.
+Printed "PASSED" lines count for nothing. No stream, zero tests, or a target
+test absent is a grading error with reward 0, never a pass; a skipped target
+test counts as failed; pytest's exit code must agree with the results
+(canaries included). reward = 1.0 only when every fail_to_pass and every
+pass_to_pass test passed, nothing was tampered and there was no error.
 
 A timeout of the test run is an infrastructure error (`infra_error=True`):
-the trainer excludes and retries it rather than scoring 0 (see PITFALLS).
+the trainer excludes and retries it rather than scoring 0 (see PITFALLS),
+unless the stream already proves tampering, or it is complete (the process
+hung after pytest returned: the results stand).
 
-Files that steer pytest itself are put back too (`restore_pytest_control`):
-every `conftest.py`, `pytest.ini`, `.pytest.ini` and `tox.ini` in the
-workspace is reset to the task's version (hidden test, else snapshot), and
-one the task does not have (an agent's new `conftest.py` that rewrites
-reports) is removed before the run; the cache provider is off
-(`-p no:cacheprovider`), so no state carries over from the agent's runs.
+Not covered: plugins named in `pyproject.toml` or `setup.cfg` are not reset
+(they hold package metadata a real fix may change); a plugin of a changed
+file that hooks outcomes is `tampered`, one of an unchanged file is trusted.
 
-Not covered: plugins named in `pyproject.toml` or `setup.cfg` (they hold
-package metadata a real fix may change, so they are not reset), a module on
-the test path that patches pytest when imported, and reading the argv for the
-result path. Such patches are caught only when they lose tests or contradict
-the exit code.
+`test_argv` (pytest with `--junitxml`) is the previous path, kept for the
+release builder's probe runs of upstream code and for `benchmarks/grading.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import posixpath
 import secrets
 import shlex
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from atelier.sandbox import Sandbox, SandboxError, create_sandbox
+from atelier.tasks import reporter, tamper as tamper_mod
 from atelier.tasks.envs import ensure_env, env_mounts, env_python
-from atelier.tasks.junit import JUnitError, Status, parse_junit
+from atelier.tasks.junit import Status
+from atelier.tasks.pytest_ini import read_ini
 from atelier.tasks.schema import Task, TaskError
+from atelier.tasks.screen import screen_patch
+from atelier.tasks.tamper import TAMPERED, Canaries, make_canaries, read_stream, verdict
 
 EXIT_MEANING = {2: "interrupted, e.g. a collection error", 3: "internal error",
                 4: "usage error, e.g. a test id that does not exist", 5: "no tests collected"}
@@ -73,6 +119,14 @@ class GradeResult:
     timeout_s: float | None = None
     """The limit the test run had."""
     log_tail: str = ""
+    tampered: bool = False
+    """The run shows the code under test interfered with the tests or their
+    reporting (`tamper` says how); the reward is 0 and `error` starts with
+    "tampered: "."""
+    tamper: list[str] = dataclasses.field(default_factory=list)
+    tamper_suspect: list[str] = dataclasses.field(default_factory=list)
+    """Static screen findings on the patch (`atelier.tasks.screen`): recorded,
+    never a failure by themselves."""
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
@@ -84,8 +138,12 @@ class GradeResult:
 def score(fail_to_pass: Iterable[str], pass_to_pass: Iterable[str],
           results: dict[str, Status] | None, exit_code: int | None, *,
           timed_out: bool = False, timeout_s: float | None = None,
-          log_tail: str = "", error: str | None = None) -> GradeResult:
-    """Decide the reward from the structured results and the exit code."""
+          log_tail: str = "", error: str | None = None, tamper: Sequence[str] = (),
+          suspect: Sequence[str] = (), others: dict[str, str] | None = None) -> GradeResult:
+    """Decide the reward from the structured results and the exit code.
+    `others`: statuses of tests that are not targets (the canaries), which
+    the exit code must agree with too; `tamper`: reasons the run cannot be
+    trusted, which make it `tampered`."""
     f2p, p2p = list(fail_to_pass), list(pass_to_pass)
     tests: dict[str, str] = dict(results or {})
     for node in [*f2p, *p2p]:
@@ -98,22 +156,24 @@ def score(fail_to_pass: Iterable[str], pass_to_pass: Iterable[str],
         f, p = frac(f2p), frac(p2p)
         ok = reason is None and f.passed == f.total and p.passed == p.total
         return GradeResult(1.0 if ok else 0.0, f, p, tests, reason, infra, exit_code, timeout_s,
-                           log_tail)
+                           log_tail, bool(tamper), list(tamper), list(suspect))
 
     if error is not None:
         return result(error)
+    if tamper:
+        return result(TAMPERED + "; ".join(tamper[:3]) + (f" (+{len(tamper) - 3} more)" if len(tamper) > 3 else ""))
     if timed_out:
         return result(f"infrastructure: the test run timed out after {timeout_s:g} s", infra=True)
     if results is None:
-        return result(f"the test run left no result file (exit {exit_code}): "
+        return result(f"the test run left no results (exit {exit_code}): "
                       "the suite did not run to the end, so nothing counts as passed")
     if not results:
-        return result(f"the result file lists zero tests (exit {exit_code})")
+        return result(f"the results list zero tests (exit {exit_code})")
     missing = [n for n in [*f2p, *p2p] if n not in results]
     if missing:
         return result(f"{len(missing)} target test(s) missing from the results: "
                       + ", ".join(missing[:5]))
-    bad = any(s in ("failed", "error") for s in results.values())
+    bad = any(s in ("failed", "error") for s in [*results.values(), *(others or {}).values()])
     if exit_code == 0 and bad:
         return result("pytest exited 0 but the results show failures: the run is not trustworthy")
     if exit_code == 1 and not bad:
@@ -124,12 +184,45 @@ def score(fail_to_pass: Iterable[str], pass_to_pass: Iterable[str],
 
 
 def test_argv(task: Task, python: str | None, junit_path: str) -> list[str]:
-    """The test command with result options and the target node ids."""
+    """The previous test command: JUnit XML to a file (the release builder's
+    probe and the grading benchmark only)."""
     argv = shlex.split(task.test_command)
     if python and argv and argv[0] in ("python", "python3"):
         argv[0] = python
     return [*argv, "-p", "no:cacheprovider", f"--junitxml={junit_path}",
             "-o", "junit_family=xunit1", *task.fail_to_pass, *task.pass_to_pass]
+
+
+test_argv.__test__ = False  # type: ignore[attr-defined]
+
+
+def reporter_run(task: Task, python: str | None, canaries: Canaries,
+                 nonce: str) -> tuple[list[str], bytes]:
+    """The argv and stdin of a graded run: `python -I -c BOOTSTRAP`, fed the
+    reporter's source and its configuration. The task's command must be
+    `python -m pytest ARGS` or `pytest ARGS`."""
+    argv = shlex.split(task.test_command)
+    if len(argv) >= 3 and argv[1:3] == ["-m", "pytest"] and posixpath.basename(argv[0]).startswith("python"):
+        interpreter = python if python and argv[0] in ("python", "python3") else argv[0]
+        script, rest = None, argv[3:]
+    elif argv and posixpath.basename(argv[0]) == "pytest":
+        interpreter = python or "python3"
+        script, rest = (posixpath.join(posixpath.dirname(python), "pytest") if python else argv[0]), argv[1:]
+    else:
+        raise TaskError(f"task {task.id}: test_command {task.test_command!r} is not pytest",
+                        hint="grading runs `python -m pytest ARGS` or `pytest ARGS` under its reporter")
+    args = [*rest, "-p", "no:cacheprovider", "--maxfail=0",
+            *task.fail_to_pass, *task.pass_to_pass, *canaries.expected]
+    config = {"nonce": nonce, "module": f"_{secrets.token_hex(6)}", "args": args, "script": script,
+              "canary_file": f"{tamper_mod.WORKSPACE}/{canaries.path}",
+              "canary_functions": list(canaries.functions)}
+    payload = json.dumps({"source": REPORTER_SOURCE, "config": config}).encode()
+    return [interpreter, "-I", "-c", reporter.BOOTSTRAP], payload
+
+
+REPORTER_SOURCE = Path(reporter.__file__).read_text(encoding="utf-8")
+STREAM_LIMIT = 64 * 2**20
+"""Bytes of result stream kept; a flood past it is tampering."""
 
 
 # --- I/O ------------------------------------------------------------------
@@ -143,7 +236,9 @@ def grade(task: Task, patch: str | None = None, *, sandbox: Sandbox | None = Non
     venv = ensure_env(task, cache_dir)
     mounts = env_mounts(venv) if venv else []
     python = env_python(venv) if venv else None
+    diff: str | None = None
     if sandbox is not None and set(mounts) <= set(sandbox.config.ro_mounts):
+        diff = sandbox.diff()
         sb = sandbox.fork()
     else:
         if sandbox is not None:  # it cannot see the env: carry its changes over
@@ -151,55 +246,82 @@ def grade(task: Task, patch: str | None = None, *, sandbox: Sandbox | None = Non
         sb = create_sandbox(task.snapshot, task.limits.sandbox_config(backend=backend,
                                                                       ro_mounts=mounts))
     with sb:
-        return grade_in(sb, task, patch or "", python)
+        return grade_in(sb, task, patch or "", python, diff=diff)
 
 
-def grade_in(sb: Sandbox, task: Task, patch: str, python: str | None) -> GradeResult:
-    """Apply, restore, run and score inside `sb` (which this changes)."""
+def grade_in(sb: Sandbox, task: Task, patch: str, python: str | None, *,
+             diff: str | None = None) -> GradeResult:
+    """Apply, restore, run and score inside `sb` (which this changes).
+    `diff`: how the workspace already differs from the snapshot (a fork of
+    a live sandbox); default: `patch`."""
     timeout = task.limits.timeout_s or sb.config.timeout_s
     f2p, p2p = task.fail_to_pass, task.pass_to_pass
+    changes = diff if diff is not None else patch
+    suspect = screen_patch(changes)
     if patch.strip():
         applied = sb.exec(["git", "apply", "--whitespace=nowarn", "-"], stdin=patch.encode(),
                           timeout=60)
         if not applied.ok:
             why = (applied.stderr or applied.stdout).strip()[-2000:]
-            return score(f2p, p2p, None, None, timeout_s=timeout,
+            return score(f2p, p2p, None, None, timeout_s=timeout, suspect=suspect,
                          error=f"the patch does not apply: {why}")
     try:
-        _restore_tests(sb, task)
+        restored = _restore_tests(sb, task)
+        canaries = _place_canaries(sb, task)
     except SandboxError as exc:
-        return score(f2p, p2p, None, None, timeout_s=timeout,
+        return score(f2p, p2p, None, None, timeout_s=timeout, suspect=suspect,
                      error=f"could not restore the test files: {exc.message}")
-    junit = f"/tmp/atelier-junit-{secrets.token_hex(8)}.xml"
-    run = sb.exec(test_argv(task, python, junit), timeout=timeout,
-                  env={"PYTHONDONTWRITEBYTECODE": "1"})
-    tail = (run.stdout + run.stderr)[-4000:]
-    if run.timed_out:
-        return score(f2p, p2p, None, run.exit_code, timed_out=True, timeout_s=timeout, log_tail=tail)
-    read = sb.exec(["cat", junit], timeout=60)
-    if read.truncated:
-        return score(f2p, p2p, None, run.exit_code, timeout_s=timeout, log_tail=tail,
-                     error="the result file is larger than the sandbox's output limit")
-    if read.exit_code != 0:
-        return score(f2p, p2p, None, run.exit_code, timeout_s=timeout, log_tail=tail)
-    try:
-        results = parse_junit(read.stdout, known_files=task.test_files())
-    except JUnitError as exc:
-        return score(f2p, p2p, None, run.exit_code, timeout_s=timeout, log_tail=tail,
-                     error=str(exc))
-    return score(f2p, p2p, results, run.exit_code, timeout_s=timeout, log_tail=tail)
+    nonce = secrets.token_hex(16)
+    argv, stdin = reporter_run(task, python, canaries, nonce)
+    chunks: list[bytes] = []
+    size = [0]
+
+    def collect(stream: str, chunk: bytes) -> None:
+        if stream == "stdout" and size[0] <= STREAM_LIMIT:
+            size[0] += len(chunk)
+            chunks.append(chunk)
+
+    run = sb.exec(argv, timeout=timeout, env={"PYTHONDONTWRITEBYTECODE": "1"}, stdin=stdin,
+                  on_output=collect)
+    tail = run.stderr[-4000:]
+    stream = read_stream(b"".join(chunks), nonce, complete=not run.timed_out)
+    if size[0] > STREAM_LIMIT:
+        stream.problems.append(f"the result stream passed {STREAM_LIMIT} bytes: flooded")
+    finished = stream.last("end") is not None
+    found = verdict(stream, process_exit=None if run.timed_out else run.exit_code,
+                    canaries=canaries, changed=tamper_mod.changed_paths(changes), restored=restored)
+    results = None if found.results is None else {
+        k: v for k, v in found.results.items() if k not in canaries.expected}
+    others = {k: v for k, v in (found.results or {}).items() if k in canaries.expected}
+    return score(f2p, p2p, results, found.exit_code, timed_out=run.timed_out and not finished,
+                 timeout_s=timeout, log_tail=tail, tamper=found.tamper, suspect=suspect,
+                 others=others)
 
 
-def _restore_tests(sb: Sandbox, task: Task) -> None:
+def _place_canaries(sb: Sandbox, task: Task) -> Canaries:
+    """Write a canary module with fresh names next to the first target test;
+    no unittest canaries where the task switches pytest's unittest support off."""
+    addopts = (read_ini(task.snapshot) or {}).get("addopts", [])
+    with_unittest = "no:unittest" not in " ".join([task.test_command, *addopts])
+    targets = [*task.fail_to_pass, *task.pass_to_pass]
+    files = [t.split("::", 1)[0] for t in targets] or task.test_files()
+    canaries = make_canaries(files, secrets.token_hex(16), with_unittest=with_unittest)
+    sb.write_bytes(canaries.path, canaries.source.encode())  # a fresh name: nothing to remove
+    return canaries
+
+
+def _restore_tests(sb: Sandbox, task: Task) -> set[str]:
     """Put every hidden and target test file back to the task's version,
-    then the files that steer pytest (`restore_pytest_control`)."""
+    then the files that steer pytest (`restore_pytest_control`); returns
+    every path put back or removed."""
     for rel in task.test_files():
         source = task.hidden_test_source(rel)
         if rel not in task.hidden_tests:
             source = task.snapshot / rel
         sb.exec(["rm", "-rf", "--", rel], timeout=60)
         sb.write_bytes(rel, source.read_bytes())
-    restore_pytest_control(sb, task)
+    removed = restore_pytest_control(sb, task)
+    return {*task.test_files(), *pytest_control_files(task), *removed}
 
 
 PYTEST_CONTROL = ("conftest.py", "pytest.ini", ".pytest.ini", "tox.ini")

@@ -30,6 +30,8 @@ class RunOutcome:
     reward: float
     error: str | None = None
     infra_error: bool = False
+    tampered: bool = False
+    tamper_suspect: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,13 +69,18 @@ def reason(check: TaskCheck) -> str | None:
 
 def summarize(results: Iterable[TaskCheck]) -> dict:
     """`{"tasks": n, "valid": k, "invalid": [{"id", "reason"}], "flaky": m,
-    "runs": r}` over the checks (r: the most gold runs of any task)."""
+    "runs": r, "tampered": [ids], "tamper_suspect": [ids]}` over the checks
+    (r: the most gold runs of any task; `tampered`: tasks whose gold patch
+    was graded tampered in some run, false positives of the grader;
+    `tamper_suspect`: tasks whose gold patch the static screen flags)."""
     results = list(results)
     invalid = [{"id": c.id, "reason": why} for c in results if (why := reason(c)) is not None]
     flaky = sum(1 for c in results
                 if c.gold and 0 < sum(r.reward == 1.0 for r in c.gold) < len(c.gold))
     return {"tasks": len(results), "valid": len(results) - len(invalid), "invalid": invalid,
-            "flaky": flaky, "runs": max((len(c.gold) for c in results), default=0)}
+            "flaky": flaky, "runs": max((len(c.gold) for c in results), default=0),
+            "tampered": [c.id for c in results if any(r.tampered for r in c.gold)],
+            "tamper_suspect": [c.id for c in results if any(r.tamper_suspect for r in c.gold)]}
 
 
 # --- I/O ------------------------------------------------------------------
@@ -101,7 +108,8 @@ def task_dirs(path: str | Path) -> list[Path]:
 
 
 def _outcome(result) -> RunOutcome:
-    return RunOutcome(result.reward, result.error, result.infra_error)
+    return RunOutcome(result.reward, result.error, result.infra_error, result.tampered,
+                      tuple(result.tamper_suspect))
 
 
 def check_task(task: Task, runs: int = 3, *, backend: str = "bwrap",
