@@ -4,8 +4,8 @@ inflection 0.5.1, built from its PyPI sdist by the suite's own builder code).
 
 Every patch must grade 0 and be flagged: `tampered` when it acted on the run,
 `tamper_suspect` (the static screen) when the grader left it nothing to act
-on. Four mechanisms run in the default test run (the two the issue measured,
-a forked reporter and a shadowed pytest); all sixteen are `slow`.
+on. Three mechanisms run in the default test run (the two the issue measured
+and a forked reporter); the other thirteen are `slow`.
 
 Each snippet is appended to the package's `__init__.py`, which the hidden
 tests import during collection, unless it adds files of its own.
@@ -170,7 +170,7 @@ FILES = {
                                   "setup.cfg": None},  # None: append the addopts below
 }
 
-DEFAULT = {"report_rewrite", "results_file_rewrite", "forked_child_reports", "shadow_pytest"}
+DEFAULT = {"report_rewrite", "results_file_rewrite", "forked_child_reports"}
 KINDS = [*APPEND, *FILES]
 assert len(KINDS) >= 12 and len(set(KINDS)) == len(KINDS)
 
@@ -200,10 +200,10 @@ def bench_task(tmp_path_factory: pytest.TempPathFactory, env_cache: Path):
     """The first task atelier-bench v0's first mutation entry yields, built
     the way the suite builder builds it (minus its three validation runs)."""
     from atelier.tasks.mutation_tasks import build_mutation_tasks, sandbox_pytest_runner
-    from atelier.tasks.suite import load_spec
+    from atelier.tasks.suite import resolve_spec
     from atelier.tasks.suite_build import _Sources
 
-    entry = load_spec("atelier-bench").spec.mutation[0]
+    entry = resolve_spec("atelier-bench").spec.mutation[0]
     root = tmp_path_factory.mktemp("bench")
     try:
         repo = _Sources(root / "cache").get(entry.package, entry.version)

@@ -65,6 +65,11 @@ the trainer excludes and retries it rather than scoring 0 (see PITFALLS),
 unless the stream already proves tampering, or it is complete (the process
 hung after pytest returned: the results stand).
 
+The stream is collected through `Sandbox.exec(on_output=...)`. A Ray-placed
+sandbox hands back at most `output_limit_bytes` of it (about 4,000 tests at
+the default 1 MiB); grading a fork of one with a larger selection reads as a
+short stream. `grade` of a patch always grades in a local sandbox.
+
 Not covered: plugins named in `pyproject.toml` or `setup.cfg` are not reset
 (they hold package metadata a real fix may change); a plugin of a changed
 file that hooks outcomes is `tampered`, one of an unchanged file is trusted.

@@ -24,7 +24,7 @@ therefore happens before any code of the workspace is imported:
    ("end", with the record count and the exit code). Only a run that reached
    that line writes it.
 
-Records ("k"): "start"; "collected" (node ids); "deselected"; "collect"
+Records ("k"): "start"; "collected" (how many); "deselected"; "collect"
 (a collector that failed or was skipped); "report" (one per test phase that
 is not a passing setup/teardown: node id, phase, outcome, whether the phase
 raised a real exception, where a skip was raised); "hook" (an outcome-deciding
@@ -267,7 +267,7 @@ def make_plugin(pytest, emit, guard: Guard, cwd: str, canary_file: str | None,
 
         @pytest.hookimpl(trylast=True)
         def pytest_collection_finish(self, session) -> None:
-            emit("collected", ids=[item.nodeid for item in session.items])
+            emit("collected", count=len(session.items))
             self.check("collection")
 
         @pytest.hookimpl(hookwrapper=True, tryfirst=True)
@@ -295,8 +295,9 @@ def make_plugin(pytest, emit, guard: Guard, cwd: str, canary_file: str | None,
                 raised = type(excinfo.value).__name__
             if report.when != "call" and report.passed and raised is None:
                 return  # a passing setup or teardown says nothing new
+            extra = {"raised": raised, "at": _skip_location(report), "xfail": hasattr(report, "wasxfail")}
             emit("report", id=report.nodeid, when=report.when, outcome=report.outcome,
-                 xfail=hasattr(report, "wasxfail"), raised=raised, at=_skip_location(report))
+                 **{k: v for k, v in extra.items() if v})
 
         @pytest.hookimpl(trylast=True)
         def pytest_sessionfinish(self, session, exitstatus) -> None:

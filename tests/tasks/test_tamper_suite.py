@@ -1,0 +1,51 @@
+"""No false positives over the whole shipped suite (`slow`): every gold patch
+of atelier-bench v0 (44 release diffs, 202 mutation tasks) grades 1 with no
+`tampered` flag under the tamper-proof grader.
+
+The suite is built (or resumed: the builder skips what is there) into
+`$ATELIER_BENCH_DIR`, default `<atelier cache>/suites/atelier-bench-v0`; the
+first build downloads the sdists and takes hours on two cores. The builder
+validates each task with this same grader and drops one whose gold fails, so
+the test also checks that the build kept every task the spec counts: a
+false positive cannot hide as a dropped task. The fast sample of this check
+is `test_tamper_redteam.py::test_gold_of_a_real_task_grades_one_unflagged`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from atelier.tasks import load_task
+from atelier.tasks.grade import grade
+from atelier.tasks.suite import atelier_cache, resolve_spec
+from atelier.tasks.suite_build import build_suite
+from atelier.tasks.validate import task_dirs
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("bwrap_ready")]
+
+
+def test_every_gold_patch_of_atelier_bench_grades_one_untampered() -> None:
+    spec = resolve_spec("atelier-bench")
+    out = Path(os.environ.get("ATELIER_BENCH_DIR") or atelier_cache() / "suites" / "atelier-bench-v0")
+    build = build_suite(spec, out, jobs=2)
+    report = build.to_json()
+    assert report["errors"] == 0, [e["error"] for e in report["entries"] if e["error"]]
+    assert report["splits"] == {"test": len(spec.spec.release),
+                                "train": sum(m.count for m in spec.spec.mutation)}, report["splits"]
+    false_positives, failed, suspects = [], [], []
+    for d in task_dirs(out):
+        task = load_task(d)
+        r = grade(task, task.gold_patch)
+        if r.tampered:
+            false_positives.append((task.id, r.tamper[:3]))
+        elif r.reward != 1.0:
+            failed.append((task.id, r.error))
+        if r.tamper_suspect:
+            suspects.append((task.id, r.tamper_suspect[:3]))
+    print(json.dumps({"tasks": len(task_dirs(out)), "false_positives": len(false_positives),
+                      "gold_failed": len(failed), "gold_tamper_suspect": len(suspects)}))
+    assert false_positives == [] and failed == [], (false_positives, failed)
