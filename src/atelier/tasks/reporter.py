@@ -206,6 +206,9 @@ def make_plugin(pytest, emit, guard: Guard, cwd: str, canary_file: str | None,
     """The plugin object (its name is random: `-p no:NAME` cannot block it).
     It reports hook implementations from files outside `trusted_roots` or
     inside `cwd`."""
+    # Long on purpose: the plugin is a class built here because its hook
+    # markers need the pytest just imported and its methods close over the
+    # emitter and guard, which must not be reachable as module globals.
     import unittest
 
     trusted_roots_ = trusted_roots(pytest)
