@@ -26,8 +26,11 @@ Shape legend: B batch (sequences), N new tokens per sequence in a prefill
 Hkv key/value heads, X = H + 2 Hkv fused q/k/v heads, D head dim, M model
 width, V vocabulary.
 
-Supported: `model_type` in `SUPPORTED_TYPES` (Llama, Mistral without a
-sliding window, Qwen2). Others raise `UnsupportedModel` when loaded.
+Supported: `model_type` in `SUPPORTED_TYPES` (Llama, Mistral and Mixtral
+without a sliding window, Qwen2). Others raise `UnsupportedModel` when
+loaded. A mixture-of-experts layer (Mixtral's) runs the model's own sparse
+block on the normed hidden states, so router hooks (atelier.moe.replay) and
+low-precision experts (atelier.moe.precision) apply to the engine too.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import torch.nn.functional as F
 
 from atelier.errors import AtelierError
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "mixtral")
 
 
 class UnsupportedModel(AtelierError):
@@ -59,6 +62,10 @@ def _norm(norm, x_BTM: torch.Tensor) -> torch.Tensor:
     if x_BTM.dtype == torch.float32:
         return F.rms_norm(x_BTM, (x_BTM.shape[-1],), norm.weight, eps)
     return norm.weight * F.rms_norm(x_BTM.float(), (x_BTM.shape[-1],), eps=eps).to(x_BTM.dtype)
+
+
+def _is_moe(mlp) -> bool:
+    return hasattr(mlp, "experts") and hasattr(mlp, "gate")
 
 
 def _fuse(module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -140,7 +147,7 @@ class BatchedForward:
     def __init__(self, hf_model, max_slots: int) -> None:
         config = hf_model.config
         if config.model_type not in SUPPORTED_TYPES or getattr(config, "sliding_window", None) and \
-                config.model_type == "mistral":
+                config.model_type in ("mistral", "mixtral"):
             raise UnsupportedModel(
                 f"the local engine does not support model type {config.model_type!r}",
                 hint=f"use a model of type {', '.join(SUPPORTED_TYPES)}, or serve this one with "
@@ -159,7 +166,8 @@ class BatchedForward:
             raise UnsupportedModel("the local engine expects q, k and v projections to all have a bias or none")
         with torch.no_grad():
             self.qkv = [_fuse(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in self.layers]
-            self.gate_up = [_fuse(layer.mlp, ("gate_proj", "up_proj")) for layer in self.layers]
+            self.gate_up = [None if _is_moe(layer.mlp) else _fuse(layer.mlp, ("gate_proj", "up_proj"))
+                            for layer in self.layers]
         param = next(hf_model.parameters())
         self.cache = SlotCache(len(self.layers), max_slots, self.kv_heads, self.head_dim,
                                param.dtype, param.device)
@@ -193,6 +201,9 @@ class BatchedForward:
             qk = _rotate(qkv_BXTD[:, : H + Hkv], cos, sin)
             o_BHTD = attend(i, qk[:, :H], qk[:, H:], qkv_BXTD[:, H + Hkv:])
             x_BTM = x_BTM + layer.self_attn.o_proj(o_BHTD.transpose(1, 2).reshape(B, T, H * D))
+            if self.gate_up[i] is None:   # sparse MoE block
+                x_BTM = x_BTM + layer.mlp(_norm(layer.post_attention_layernorm, x_BTM))
+                continue
             gate, up = F.linear(_norm(layer.post_attention_layernorm, x_BTM), *self.gate_up[i]).chunk(2, dim=-1)
             x_BTM = x_BTM + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
         return x_BTM

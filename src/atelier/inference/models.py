@@ -107,19 +107,20 @@ def resolve_model(spec: str | Path) -> Path:
 
 
 TINY = "tiny"
+TINY_MOE = "tiny-moe"
 """The model spec that builds a tiny random model (tests, smoke runs) instead of resolving one."""
 
 
 def resolve_or_build_tiny(spec: str | Path, run_dir: Path, *, seed: int = 0) -> Path:
-    """`resolve_model(spec)`, except that `tiny` builds a tiny random model once
-    into `run_dir/base-model` (and reuses it on resume). The one place a run
-    (`atelier train`, `atelier run`) turns its `model` field into a directory."""
-    if str(spec) != TINY:
+    """`resolve_model(spec)`, except that `tiny` (or `tiny-moe`, a mixture of experts) builds a
+    tiny random model once into `run_dir/base-model` (and reuses it on resume). The one place a
+    run (`atelier train`, `atelier run`) turns its `model` field into a directory."""
+    if str(spec) not in (TINY, TINY_MOE):
         return resolve_model(spec)
     from atelier.inference.tiny import build_tiny_model
 
     target = run_dir / "base-model"
-    return target if is_model_dir(target) else build_tiny_model(target, seed=seed)
+    return target if is_model_dir(target) else build_tiny_model(target, seed=seed, moe=str(spec) == TINY_MOE)
 
 
 def _hub_cache_lookup(repo_id: str) -> Path | None:

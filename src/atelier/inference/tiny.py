@@ -8,9 +8,12 @@ million parameters — in about a second, with no download. Every byte can be
 encoded, so any text round-trips.
 
 `build_tiny_model(out_dir, moe=True)` (the model name "tiny-moe") writes a
-Qwen3-MoE model instead: every layer a sparse block of 8 SwiGLU experts with
-a top-2 softmax router, dimensions multiples of 32 so the low-precision
-expert kernels (atelier.kernels) apply.
+Mixtral-architecture model instead: Mistral attention, every layer a sparse
+block of 8 SwiGLU experts behind a top-2 softmax router; dimensions are
+multiples of 32 so the low-precision expert kernels (atelier.kernels)
+apply. Mixtral rather than Qwen3-MoE or OLMoE because its attention is the
+one the local engine's batched forward already runs (those two add q/k
+norms); router replay and the kernels work on all three.
 """
 
 from __future__ import annotations
@@ -89,16 +92,15 @@ def tiny_config(vocab_size: int, **overrides):
 
 
 def tiny_moe_config(vocab_size: int, **overrides):
-    from transformers import Qwen3MoeConfig
+    from transformers import MixtralConfig
 
     fields = dict(
         vocab_size=vocab_size,
         hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_experts=8,
+        intermediate_size=32,            # per expert
+        num_local_experts=8,
         num_experts_per_tok=2,
-        norm_topk_prob=True,
+        sliding_window=None,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -109,12 +111,12 @@ def tiny_moe_config(vocab_size: int, **overrides):
         router_aux_loss_coef=0.0,
     )
     fields.update(overrides)
-    return Qwen3MoeConfig(**fields)
+    return MixtralConfig(**fields)
 
 
 def build_tiny_model(out_dir: str | Path, *, seed: int = 0, vocab_size: int = 512, moe: bool = False,
                      **config_overrides) -> Path:
-    """Write a tiny Llama (or, with `moe`, Qwen3-MoE) model and its tokenizer to `out_dir`."""
+    """Write a tiny Llama (or, with `moe`, Mixtral) model and its tokenizer to `out_dir`."""
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -28,12 +28,14 @@ def sampler_mismatch(logp_BT: torch.Tensor, mu_BT: torch.Tensor, mask_BT: torch.
     }
 
 
-def load_balance(expert_ids: torch.Tensor, num_experts: int) -> dict[str, float | list[int]]:
-    """Tokens routed to each expert (all layers and k slots together), and the imbalance
-    max/mean (1.0 is perfectly even). `expert_ids` holds ids, negatives ignored."""
+def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Tokens routed to each expert (all layers and k slots together); negative ids ignored."""
     ids = expert_ids.reshape(-1)
-    ids = ids[ids >= 0].long()
-    counts = torch.bincount(ids, minlength=num_experts)
-    mean = counts.float().mean()
-    return {"tokens_per_expert": counts.tolist(),
-            "expert_imbalance": float(counts.max() / mean) if mean > 0 else 0.0}
+    return torch.bincount(ids[ids >= 0].long(), minlength=num_experts).cpu()
+
+
+def load_balance(counts_E: torch.Tensor) -> dict[str, float | list[int]]:
+    """Tokens per expert and the imbalance max/mean (1.0 is perfectly even)."""
+    mean = counts_E.float().mean()
+    return {"tokens_per_expert": counts_E.tolist(),
+            "expert_imbalance": float(counts_E.max() / mean) if mean > 0 else 0.0}

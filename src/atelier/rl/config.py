@@ -70,6 +70,14 @@ class TrainerConfig(AtelierConfig):
     sampler/trainer mismatch that the importance weights then absorb."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer in the backward instead of keeping its activations."""
+    moe_precision: Literal["bf16", "mxfp8", "nvfp4_fwd_mxfp8_bwd"] = "bf16"
+    """Expert matmuls of a mixture-of-experts model (atelier.kernels): "bf16" leaves them in the
+    model's dtype; "mxfp8" runs forward and backward in MXFP8; "nvfp4_fwd_mxfp8_bwd" the forward
+    in the NVFP4 variant (per-token FP32 scale) and both backward GEMMs in MXFP8. The PyTorch
+    reference on a CPU, Triton kernels on a GPU."""
+    router_replay: bool = False
+    """MoE: route every trained token to the experts the sampler chose (Sample.routes); the gate
+    values are recomputed, so the router still learns (atelier.moe.replay)."""
     logprob_chunk: int = Field(512, ge=1)
     """Positions per chunk of the logprob/entropy computation (memory: one [B, chunk, V] block)."""
     timeout_s: float = Field(600.0, gt=0)
@@ -162,7 +170,8 @@ class CurriculumConfig(AtelierConfig):
 
 class TrainConfig(AtelierConfig):
     model: str = "tiny"
-    """A model directory, a known model name, a hub id, or 'tiny' (a tiny random model built in the run dir)."""
+    """A model directory, a known model name, a hub id, or 'tiny' / 'tiny-moe' (a tiny random dense or
+    mixture-of-experts model built in the run dir)."""
     seed: int = 0
     launcher: Literal["local", "ray"] = "local"
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)

@@ -10,6 +10,7 @@ self-summarised chain gets the episode's advantage.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from atelier.harness.trajectory import Trajectory
 
@@ -23,11 +24,16 @@ class Sample:
     advantage: float
     group_id: str
     task_id: str
+    routes: Any = None
+    """MoE router replay: the sampler's experts, a packed uint8/uint16 array [tokens, layers, k]
+    (atelier.moe.replay.pack_routes); None when the sampler did not record them."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
         if not (len(self.loss_mask) == len(self.logprobs) == len(self.versions) == n):
             raise ValueError("sample fields must all have one entry per token")
+        if self.routes is not None and len(self.routes) != n:
+            raise ValueError("sample routes must have one row per token")
 
 
 def samples_from_trajectory(traj: Trajectory, advantage: float, group_id: str) -> list[Sample]:

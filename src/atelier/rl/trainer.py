@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +37,12 @@ import torch
 
 from atelier import distributed as D
 from atelier.rl.config import TrainerConfig
+from atelier.moe.metrics import sampler_mismatch
 from atelier.rl.loss import LossInputs, policy_loss
 from atelier.rl.sample import Sample
 
-METRIC_SUMS = ("loss", "tokens", "is_weight_mean", "is_truncated_frac", "kl_k1", "sampler_mismatch", "entropy")
+METRIC_SUMS = ("loss", "tokens", "is_weight_mean", "is_truncated_frac", "kl_k1", "sampler_mismatch", "entropy",
+               "sampler_k1")
 
 
 def token_logprobs(model, ids_BT: torch.Tensor, attn_BT: torch.Tensor, temperature: float,
@@ -64,6 +67,10 @@ class Trainer:
         dtype = getattr(torch, cfg.dtype)
         lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         lm.train()
+        from atelier.moe.attach import attach
+
+        self.routing = attach(lm, cfg.moe_precision, cfg.router_replay)   # None for dense models
+        self.expert_tokens: torch.Tensor | None = None
         self.head = D.shard(D.PolicyHead(lm, cfg.logprob_chunk), self.ranks, self.precision,
                             activation_checkpointing=cfg.activation_checkpointing)
         self.model = self.head.lm   # the Hugging Face model (sharded parameters when ranks > 1)
@@ -104,13 +111,13 @@ class Trainer:
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         sums: Counter[str] = Counter()
-        ratio_max, neg_ratio_min = 0.0, float("-inf")
+        ratio_max, neg_ratio_min, mismatch_max = 0.0, float("-inf"), 0.0
         plan = D.step_plan([len(s.token_ids) for s in samples], self.ranks.world, self.ranks.rank,
                            self.cfg.micro_batch)
         with D.named_failure(f"trainer step {self.step + 1}"):
             for indices in plan:
                 batch = self._collate([samples[i] for i in indices])
-                with D.compute_context(self.ranks, self.precision):
+                with D.compute_context(self.ranks, self.precision), self._replaying(samples, indices, batch):
                     logp_BT, ent_BT = self.head(batch["ids"], batch["attn"], self.temperature, True)
                     ref_BT = None
                     if self.ref is not None:
@@ -126,13 +133,18 @@ class Trainer:
                 for key in ("is_weight_mean", "is_truncated_frac", "kl_k1", "sampler_mismatch"):
                     sums[key] += m[key] * tok
                 sums["entropy"] += float((ent_BT * batch["mask"]).sum())
+                self._count_experts(batch["attn"])
                 if tok:
+                    mm = sampler_mismatch(logp_BT, batch["mu"], batch["mask"], self.cfg.is_cap)
+                    sums["sampler_k1"] += mm["mismatch_k1"] * tok
+                    mismatch_max = max(mismatch_max, mm["mismatch_abs_max"])
                     ratio_max = max(ratio_max, m["is_ratio_max"])
                     neg_ratio_min = max(neg_ratio_min, -m["is_ratio_min"])
             grad_norm = D.clip_grad_norm(self.head.parameters(), self.cfg.max_grad_norm)
             self.optimizer.step()
             totals = dict(zip(METRIC_SUMS, D.all_reduce_sum([sums[k] for k in METRIC_SUMS], self.ranks)))
-            ratio_max, neg_ratio_min = D.all_reduce_max([ratio_max, neg_ratio_min], self.ranks)
+            ratio_max, neg_ratio_min, mismatch_max = D.all_reduce_max([ratio_max, neg_ratio_min, mismatch_max],
+                                                                      self.ranks)
         staleness: Counter[int] = Counter()
         for s in samples:
             for v, mk in zip(s.versions[1:], s.loss_mask[1:]):
@@ -148,9 +160,41 @@ class Trainer:
             "is_weight_mean": totals["is_weight_mean"] / n, "is_truncated_frac": totals["is_truncated_frac"] / n,
             "is_ratio_max": ratio_max if n_tokens else 1.0, "is_ratio_min": -neg_ratio_min if n_tokens else 1.0,
             "kl_k1": totals["kl_k1"] / n, "sampler_mismatch": totals["sampler_mismatch"] / n,
+            "sampler_mismatch_max": mismatch_max, "sampler_k1": totals["sampler_k1"] / n,
             "entropy": totals["entropy"] / n, "staleness_hist": {str(k): v for k, v in sorted(staleness.items())},
             "staleness_max": max(staleness) if staleness else 0, "ranks": self.ranks.world,
+            **self.moe_metrics(),
         }
+
+    def _replaying(self, samples: list[Sample], indices, batch):
+        """Router replay for this micro-batch when `trainer.router_replay` is on (else nothing)."""
+        if self.routing is None or not self.cfg.router_replay or not indices:
+            return nullcontext()
+        from atelier.moe.attach import batch_routes
+
+        T = batch["ids"].shape[1]
+        routes = batch_routes([samples[i].routes for i in indices], T, self.routing.num_layers,
+                              self.routing.top_k)
+        return self.routing.replay(routes)
+
+    def _count_experts(self, attn_BT: torch.Tensor) -> None:
+        """Tokens per expert (all MoE layers and k slots) over the real tokens of the last forward."""
+        if self.routing is None:
+            return
+        from atelier.moe.metrics import expert_counts
+
+        used_NLk = self.routing.used()
+        counts = expert_counts(used_NLk[attn_BT.reshape(-1).bool().to(used_NLk.device)], self.routing.num_experts)
+        self.expert_tokens = counts if self.expert_tokens is None else self.expert_tokens + counts
+
+    def moe_metrics(self) -> dict[str, Any]:
+        """Router load balance since the last call, this rank's tokens (empty for dense models)."""
+        if self.expert_tokens is None:
+            return {}
+        from atelier.moe.metrics import load_balance
+
+        counts, self.expert_tokens = self.expert_tokens, None
+        return load_balance(counts)
 
     def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """The full weights under Hugging Face names, on rank 0 (collective; empty on other ranks)."""
