@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from atelier.errors import AtelierError
+from atelier.fsio import atomic_write
 
 RESULTS_FILE = "results.jsonl"
 META_FILE = "eval.json"
@@ -142,6 +143,4 @@ def read_json(path: Path) -> dict[str, Any] | None:
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
     """Through a temporary file and a rename: never half a file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    atomic_write(path, json.dumps(data, indent=1, sort_keys=True) + "\n")

@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from atelier.fsio import atomic_write
+
 NOT_SAMPLED = -1
 
 
@@ -116,12 +118,7 @@ class Trajectory:
 
     def save(self, path: str | Path) -> Path:
         """Write as JSON through a temporary file, so a crash never leaves half a record."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict()) + "\n", encoding="utf-8")
-        tmp.replace(path)
-        return path
+        return atomic_write(path, json.dumps(self.to_dict()) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> "Trajectory":

@@ -36,6 +36,7 @@ from typing import Any, Callable
 from atelier.compat import tomllib
 from atelier.config import dump_config
 from atelier.errors import AtelierError
+from atelier.fsio import atomic_write
 from atelier.pipeline.config import RunConfig
 
 STAGES = ("model", "tasks", "eval-before", "sft-data", "sft", "rl", "eval-after", "report")
@@ -55,9 +56,7 @@ class _Ledger:
 
     def finish(self, stage: str, outputs: dict[str, Any]) -> None:
         self.done[stage] = outputs
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.done, indent=1) + "\n")
-        tmp.replace(self.path)
+        atomic_write(self.path, json.dumps(self.done, indent=1) + "\n")
 
 
 def run_pipeline(config: RunConfig, run_dir: str | Path, *, recipe_dir: str | Path = ".",
@@ -290,6 +289,4 @@ def _write_splits(suite_dir: Path, splits: dict[str, str]) -> None:
     from atelier.tasks.loader import INDEX_FILE, SuiteIndex
 
     index = SuiteIndex(name=suite_dir.name, tasks=sorted(splits), splits=splits)
-    tmp = suite_dir / (INDEX_FILE + ".tmp")
-    tmp.write_text(dump_config(index))
-    tmp.replace(suite_dir / INDEX_FILE)
+    atomic_write(suite_dir / INDEX_FILE, dump_config(index))

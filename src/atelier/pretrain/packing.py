@@ -18,11 +18,12 @@ is lost or written twice.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
+
+from atelier.fsio import atomic_write
 
 MANIFEST = "manifest.json"
 
@@ -32,12 +33,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    tmp.replace(path)
+    atomic_write(path, data)
 
 
 def build_stream(

@@ -48,6 +48,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from atelier.fsio import atomic_write
+
 StateDict = dict[str, torch.Tensor]
 INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NAME = re.compile(r"^step-(\d{8})\.(full|delta)$")
@@ -186,9 +188,7 @@ class DeltaChainWeightSync:
                        if not torch.equal(b, self._prev[k])}
         blob = _encode(payload, {"step": step, "dtypes": dtypes, "base": self._prev_step})
         path = self._path(step, kind)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(blob)
-        tmp.replace(path)
+        atomic_write(path, blob)
         self._prev, self._prev_step = bits, step
         if full:
             self._prune()

@@ -43,6 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable, Literal
 
+from atelier.fsio import atomic_write
 from atelier.tasks.schema import TaskError
 from atelier.tasks.suite import MutationEntry, ReleaseEntry, Spec, atelier_cache
 
@@ -142,10 +143,7 @@ class _State:
     def put(self, key: str, value: dict) -> None:
         with self.lock:
             self.data[key] = value
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.data, indent=1, sort_keys=True) + "\n")
-            os.replace(tmp, self.path)
+            atomic_write(self.path, json.dumps(self.data, indent=1, sort_keys=True) + "\n")
 
 
 class _Sources:
@@ -365,9 +363,7 @@ def write_index(spec: Spec, out: Path, state: _State | None = None) -> list[str]
             if (out / t / "task.toml").is_file():
                 tasks.setdefault(t, m.split)
     index = SuiteIndex(name=spec.spec.name, tasks=list(tasks), splits=tasks)
-    tmp = out / (INDEX_FILE + ".tmp")
-    tmp.write_text(dump_config(index))
-    os.replace(tmp, out / INDEX_FILE)
+    atomic_write(out / INDEX_FILE, dump_config(index))
     return list(tasks)
 
 
