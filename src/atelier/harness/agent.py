@@ -27,6 +27,7 @@ from atelier.harness.parsing import ToolCall
 from atelier.harness.prompt import SUMMARY_REQUEST, build_messages
 from atelier.harness.tools import Tool, ToolContext, call_tool, default_tools
 from atelier.harness.trajectory import ToolCallRecord, Trajectory
+from atelier.inference.types import KnowsContextLength
 
 
 @dataclass
@@ -51,12 +52,13 @@ def run_episode(model: Any, sandbox: Any, prompt: str, *, task_id: str = "", con
     config = config or AgentConfig()
     tools = tools or default_tools()
     emit = on_event or (lambda event: None)
-    traj = Trajectory(task_id=task_id, model=getattr(model, "name", ""), limits=config.limits())
+    traj = Trajectory(task_id=task_id, model=model.name, limits=config.limits())
     ctx = ToolContext(sandbox, config.tools)
     window = open_window(model, config, traj,
                          [t.openai_schema() for t in tools.values()] if config.native_tools else None)
     # A model that knows its context length (the local engine) bounds the segment too.
-    limit = min(config.max_context_tokens, getattr(model, "max_seq_len", None) or config.max_context_tokens)
+    known = model.max_seq_len if isinstance(model, KnowsContextLength) else None
+    limit = min(config.max_context_tokens, known or config.max_context_tokens)
     traj.limits["max_context_tokens"] = limit
     started = time.monotonic()
     try:

@@ -97,6 +97,14 @@ class ChatModel(Protocol):
 
 
 @runtime_checkable
+class KnowsContextLength(Protocol):
+    """A model that knows how many tokens its context holds (the local engine, the
+    `/v1/generate` client); None when the server did not say."""
+
+    max_seq_len: int | None
+
+
+@runtime_checkable
 class Closeable(Protocol):
     """A model that holds resources (an engine's scheduler thread and weights,
     an HTTP session). Scripted models hold none and do not implement it."""
