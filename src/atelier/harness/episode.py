@@ -71,7 +71,7 @@ class GradedEpisode:
         return (self.trajectory.error or "error").split(":", 1)[0].strip() or "error"
 
 
-def test_fractions(result: GradeResult) -> dict[str, float]:
+def target_fractions(result: GradeResult) -> dict[str, float]:
     """Fractions of target tests passing (1.0 for an empty set)."""
     f, p = result.fail_to_pass, result.pass_to_pass
     return {"fail_to_pass": f.passed / f.total if f.total else 1.0,
@@ -114,6 +114,6 @@ def run_and_grade(task: Task, model: Any, agent_cfg: AgentConfig, *, backend: st
     graded_at = time.monotonic()
     episode.grade = grade(task, traj.final_diff, backend=backend, cache_dir=cache)
     episode.grade_s = time.monotonic() - graded_at
-    traj.reward_parts = test_fractions(episode.grade)
+    traj.reward_parts = target_fractions(episode.grade)
     traj.reward = None if episode.grade.infra_error else episode.grade.reward
     return episode
