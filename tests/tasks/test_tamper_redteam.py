@@ -14,6 +14,7 @@ tests import during collection, unless it adds files of its own.
 from __future__ import annotations
 
 import difflib
+import os
 from pathlib import Path
 
 import pytest
@@ -209,8 +210,16 @@ def bench_task(tmp_path_factory: pytest.TempPathFactory, env_cache: Path):
         repo = _Sources(root / "cache").get(entry.package, entry.version)
     except (AtelierError, OSError) as exc:  # no network: say so
         pytest.skip(f"cannot fetch {entry.package} {entry.version} from PyPI: {exc}")
-    report = build_mutation_tasks(repo, root / "out", 1, seed=entry.seed, clean_runs=1,
-                                  run_tests=sandbox_pytest_runner())
+    saved = os.environ.get("ATELIER_CACHE")
+    os.environ["ATELIER_CACHE"] = str(env_cache.parent)  # the builder's venv is the grader's
+    try:
+        report = build_mutation_tasks(repo, root / "out", 1, seed=entry.seed, clean_runs=1,
+                                      run_tests=sandbox_pytest_runner())
+    finally:
+        if saved is None:
+            os.environ.pop("ATELIER_CACHE", None)
+        else:
+            os.environ["ATELIER_CACHE"] = saved
     assert report.tasks, report
     return load_task(root / "out" / report.tasks[0])
 

@@ -164,3 +164,21 @@ def test_shaping_prices_suspicion_only_when_asked() -> None:
         "diff --git a/m.py b/m.py\n--- a/m.py\n+++ b/m.py\n@@ -1 +1 @@\n-a\n+import atexit\n"))
     parts = shape_trajectory(traj, 1.0, ShapingConfig(tamper_suspect_penalty=0.25))
     assert parts["total"] == 0.75 and traj.reward == 0.75
+
+
+def test_the_nonce_travels_on_stdin_only(task_dir, h) -> None:
+    import pytest
+
+    from atelier.tasks import load_task
+    from atelier.tasks.grade import reporter_run
+    from atelier.tasks.schema import TaskError
+
+    task = load_task(task_dir)
+    argv, stdin = reporter_run(task, "/env/bin/python", CANARIES, NONCE)
+    assert argv[:3] == ["/env/bin/python", "-I", "-c"] and NONCE not in " ".join(argv)
+    payload = json.loads(stdin)
+    assert payload["config"]["nonce"] == NONCE and "def main" in payload["source"]
+    assert payload["config"]["args"][-len(CANARIES.expected):] == list(CANARIES.expected)
+    assert set(task.fail_to_pass) <= set(payload["config"]["args"])
+    with pytest.raises(TaskError, match="is not pytest"):
+        reporter_run(task.model_copy(update={"test_command": "make check"}), None, CANARIES, NONCE)

@@ -4,8 +4,11 @@ honest grading.
 - `schema`: `Task` and what `task.toml` may hold.
 - `loader`: `load_task(dir)`, `load_suite(dir)`; every problem a `TaskError`.
 - `envs`: `ensure_env(task)`, one shared read-only venv per Python+requirements.
-- `junit`: JUnit XML → `{node id: status}` (pure).
+- `junit`: JUnit XML → `{node id: status}` (pure; the release builder's probe runs).
 - `grade`: `grade(task, patch | sandbox) -> GradeResult`; `score` is the pure part.
+  Results come from `reporter` (run inside the test process, fed on stdin,
+  writing on the stdout pipe), checked by `tamper` (stream, canaries,
+  verdict; pure); `screen` is the static patch screen (`tamper_suspect`).
 - `writer`: `write_task(...)`, the one way builders and importers write a task.
 - `validate`, `stats`: gold passes three times and the empty patch fails;
   prompt and patch sizes beside the reference benchmark's.

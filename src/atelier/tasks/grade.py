@@ -94,7 +94,7 @@ from atelier.tasks.envs import ensure_env, env_mounts, env_python
 from atelier.tasks.junit import Status
 from atelier.tasks.pytest_ini import read_ini
 from atelier.tasks.schema import Task, TaskError
-from atelier.tasks.screen import screen_patch
+from atelier.tasks.screen import is_test_file, screen_patch
 from atelier.tasks.tamper import TAMPERED, Canaries, make_canaries, read_stream, verdict
 
 EXIT_MEANING = {2: "interrupted, e.g. a collection error", 3: "internal error",
@@ -308,8 +308,8 @@ def _place_canaries(sb: Sandbox, task: Task) -> Canaries:
     no unittest canaries where the task switches pytest's unittest support off."""
     addopts = (read_ini(task.snapshot) or {}).get("addopts", [])
     with_unittest = "no:unittest" not in " ".join([task.test_command, *addopts])
-    targets = [*task.fail_to_pass, *task.pass_to_pass]
-    files = [t.split("::", 1)[0] for t in targets] or task.test_files()
+    files = [t.split("::", 1)[0] for t in [*task.fail_to_pass, *task.pass_to_pass]] or task.test_files()
+    files = [f for f in files if is_test_file(f)] or files  # beside a test module, not a doctest's
     canaries = make_canaries(files, secrets.token_hex(16), with_unittest=with_unittest)
     sb.write_bytes(canaries.path, canaries.source.encode())  # a fresh name: nothing to remove
     return canaries
