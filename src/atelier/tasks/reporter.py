@@ -32,7 +32,8 @@ hook implemented in a workspace file or in code with no file); "integrity"
 (guarded objects that changed); "finish" (pytest's exit status, from
 `pytest_sessionfinish`); "end".
 
-Python 3.8+ and pytest 7+ compatible: it runs in the task's interpreter.
+Python 3.8+ and pytest 6+ compatible: it runs in the task's interpreter (with
+pytest < 6, canaries must match `python_functions` to be collected).
 """
 
 from __future__ import annotations
@@ -257,7 +258,8 @@ def make_plugin(pytest, emit, guard: Guard, cwd: str, canary_file: str | None,
         @pytest.hookimpl(tryfirst=True)
         def pytest_pycollect_makeitem(self, collector, name, obj):
             # The canaries are collected whatever `python_functions` says.
-            if canary_file and name in canary_functions and _path_of(collector) == canary_file:
+            if (canary_file and name in canary_functions and hasattr(pytest.Function, "from_parent")
+                    and _path_of(collector) == canary_file):
                 return pytest.Function.from_parent(collector, name=name, callobj=obj)
             return None
 
