@@ -21,7 +21,7 @@ def spiky_model_dir(tmp_path_factory: pytest.TempPathFactory):
 def engine(spiky_model_dir):
     from atelier.inference.engine import LocalEngine
 
-    with LocalEngine(spiky_model_dir, max_batch=8) as eng:
+    with LocalEngine(spiky_model_dir, dtype="float32", max_batch=8) as eng:
         yield eng
 
 

@@ -33,7 +33,7 @@ def test_qwen2_with_attention_bias_matches_hf_greedy(tmp_path):
             layer.self_attn.k_proj.bias.normal_(0, 0.5)
     path = _save(model, tok, tmp_path / "qwen2")
     ids = tok.encode("def main():\n    return")
-    with LocalEngine(path) as engine:
+    with LocalEngine(path, dtype="float32") as engine:
         got = engine.generate(ids, SamplingParams(max_tokens=20, temperature=0, stop_token_ids=(-1,)))
     ref = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                          max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)

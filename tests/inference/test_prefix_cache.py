@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from atelier.inference.engine import EngineError, LocalEngine
-from atelier.inference.prefix_cache import PrefixCache
+from atelier.inference.prefix_cache import BlockPool
 from atelier.inference.types import Generation, SamplingParams
 
 NO_STOP = (10**6,)
@@ -67,12 +67,12 @@ def concurrent(engine: LocalEngine, prompts: list[list[int]], n: int) -> list[Ge
 
 @pytest.fixture(scope="module")
 def plain(spiky_model_dir):
-    with LocalEngine(spiky_model_dir, max_batch=8, prefix_cache_tokens=0) as eng:
+    with LocalEngine(spiky_model_dir, dtype="float32", max_batch=8, prefix_cache_tokens=0) as eng:
         yield eng
 
 
 def test_multi_turn_episode_is_token_identical_and_reuses_the_previous_turn(spiky_model_dir, plain):
-    with LocalEngine(spiky_model_dir, max_batch=8) as cached:
+    with LocalEngine(spiky_model_dir, dtype="float32", max_batch=8) as cached:
         for task in TASKS[:2]:
             got = episode(cached, task)
             assert same(got, episode(plain, task))
@@ -85,7 +85,7 @@ def test_multi_turn_episode_is_token_identical_and_reuses_the_previous_turn(spik
 def test_concurrent_requests_share_the_system_prompt(spiky_model_dir, plain):
     prompts = [chat(plain.tokenizer, t) for t in TASKS]
     want = [plain.generate(p, greedy(16)) for p in prompts]
-    with LocalEngine(spiky_model_dir, max_batch=8) as cached:
+    with LocalEngine(spiky_model_dir, dtype="float32", max_batch=8) as cached:
         assert same(concurrent(cached, prompts, 16), want)
         total = sum(len(p) for p in prompts)
         # The shared system prompt was computed once, by the first request; the others waited a step.
@@ -98,7 +98,7 @@ def test_concurrent_requests_share_the_system_prompt(spiky_model_dir, plain):
 
 def test_a_repeated_prompt_still_computes_its_last_token(spiky_model_dir, plain):
     prompt = chat(plain.tokenizer, TASKS[0])[:96]  # ends exactly on a block boundary
-    with LocalEngine(spiky_model_dir) as cached:
+    with LocalEngine(spiky_model_dir, dtype="float32") as cached:
         first = cached.generate(prompt, greedy(10))
         again = cached.generate(prompt, greedy(10))
         assert cached.stats["prefix_hit_tokens"] == 64 and cached.stats["prefill_tokens"] == 96 + 32
@@ -107,12 +107,12 @@ def test_a_repeated_prompt_still_computes_its_last_token(spiky_model_dir, plain)
 
 
 def test_small_budget_stays_bounded_and_exact(spiky_model_dir, plain):
-    with LocalEngine(spiky_model_dir, max_batch=8, prefix_cache_tokens=64) as cached:
+    with LocalEngine(spiky_model_dir, dtype="float32", max_batch=8, prefix_cache_tokens=64) as cached:
         assert same(episode(cached, TASKS[2], turns=3), episode(plain, TASKS[2], turns=3))
         assert 0 < cached.prefix_cache.tokens <= 64
         assert cached.stats["prefix_hit_tokens"] > 0
     with pytest.raises(EngineError, match="prefix_cache_tokens"):
-        LocalEngine(spiky_model_dir, prefix_cache_tokens=-1)
+        LocalEngine(spiky_model_dir, dtype="float32", prefix_cache_tokens=-1)
 
 
 def _perturbed(engine: LocalEngine) -> dict[str, torch.Tensor]:
@@ -122,7 +122,7 @@ def _perturbed(engine: LocalEngine) -> dict[str, torch.Tensor]:
 
 
 def test_weight_update_drops_the_cache(spiky_model_dir):
-    with LocalEngine(spiky_model_dir) as cached, LocalEngine(spiky_model_dir, prefix_cache_tokens=0) as ref:
+    with LocalEngine(spiky_model_dir, dtype="float32") as cached, LocalEngine(spiky_model_dir, dtype="float32", prefix_cache_tokens=0) as ref:
         prompt = chat(cached.tokenizer, TASKS[3])
         before = cached.generate(prompt, greedy(16))
         assert cached.prefix_cache.tokens > 0
@@ -139,7 +139,7 @@ def test_weight_update_drops_the_cache(spiky_model_dir):
 
 def test_a_request_that_spans_an_update_is_not_cached(spiky_model_dir):
     """Its keys and values mix two weight versions: reusing them would serve stale context."""
-    with LocalEngine(spiky_model_dir) as engine:
+    with LocalEngine(spiky_model_dir, dtype="float32") as engine:
         prompt = chat(engine.tokenizer, TASKS[4])
         seen, updating = threading.Event(), threading.Event()
         count = [0]
@@ -165,24 +165,36 @@ def test_a_request_that_spans_an_update_is_not_cached(spiky_model_dir):
         assert engine.prefix_cache.tokens > 0
 
 
-def _kv(n: int, fill: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.full((1, 1, n, 2), fill), torch.full((1, 1, n, 2), -fill)
+def test_block_pool_matches_whole_blocks_and_evicts_chain_ends_first():
+    pool = BlockPool(num_blocks=8, block=4, cache_blocks=4)
+    a = list(range(13))                                   # 3 full blocks and one partial
+    table_a = pool.allocate(4)
+    assert pool.register(a, table_a, len(a)) == 3 and pool.tokens == 12
+    hit = pool.match(pool.keys_for(a[:9] + [99, 98]))    # shares 2 blocks, then diverges
+    assert hit == table_a[:2]
+    pool.release(hit)
+    assert len(pool.match(pool.keys_for(a[:8]))) == 1    # leaves at least one token to compute
+    assert pool.match(pool.keys_for([7] + a[1:12])) == []  # a different first block: no match at all
+    b = a[:4] + [50, 51, 52, 53, 54, 55, 56, 57, 58]     # shares block 0 with a
+    table_b = pool.allocate(4)
+    assert pool.register(b, table_b, len(b)) == 2        # its block 0 duplicates a's: stays private
+    assert pool.tokens == 16                              # 5 made, 4 kept: a's last block went first
+    assert len(pool.match(pool.keys_for(a))) == 2
+    assert len(pool.match(pool.keys_for(b))) == 3
+    pool.clear()
+    assert pool.tokens == 0 and pool.match(pool.keys_for(a)) == []
+    assert not BlockPool(4, 4, cache_blocks=0).enabled
 
 
-def test_prefix_cache_matches_whole_blocks_and_evicts_chain_ends_first():
-    cache = PrefixCache(budget_tokens=16, block=4)
-    a = list(range(13))                      # 3 full blocks
-    assert cache.insert(a, len(a), lambda s, e: _kv(e - s, float(s))) == 3
-    assert cache.tokens == 12
-    hit = cache.match(cache.keys_for(a[:9] + [99, 98]))   # shares 2 blocks, then diverges
-    assert [float(b.k_LHnD[0, 0, 0, 0]) for b in hit] == [0.0, 4.0]
-    assert len(cache.match(cache.keys_for(a[:8]))) == 1    # leaves at least one token to compute
-    assert cache.match(cache.keys_for([7] + a[1:12])) == []  # a different first block: no match at all
-    b = a[:4] + [50, 51, 52, 53, 54, 55, 56, 57, 58]       # shares block 0 with a
-    assert cache.insert(b, len(b), lambda s, e: _kv(e - s, 100.0 + s)) == 2
-    assert cache.tokens == 16                # 5 blocks made, 4 fit: a's last block went first
-    assert len(cache.match(cache.keys_for(a))) == 2
-    assert len(cache.match(cache.keys_for(b))) == 3
-    cache.clear()
-    assert cache.tokens == 0 and cache.match(cache.keys_for(a)) == []
-    assert not PrefixCache(0).enabled and PrefixCache(0).insert(a, 13, lambda s, e: _kv(1, 0)) == 0
+def test_block_pool_allocates_within_its_blocks_and_reuses_idle_cached_ones():
+    pool = BlockPool(num_blocks=4, block=4)
+    first = pool.allocate(3)
+    assert pool.allocate(2) is None and pool.available == 1   # all or nothing
+    pool.register(list(range(12)), first, 12)                 # all three are full: registered
+    pool.release(first)
+    assert pool.used == 0 and pool.available == 4             # idle cached blocks count as available
+    again = pool.match(pool.keys_for(list(range(13))))        # a later request reuses them, no copy
+    assert again == first and pool.used == 3
+    pool.release(again)
+    assert sorted(pool.allocate(4)) == [0, 1, 2, 3] and pool.tokens < 12  # evicted to make room
+    assert pool.peak_used == 4

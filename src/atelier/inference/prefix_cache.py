@@ -1,35 +1,40 @@
-"""Keys and values of token prefixes the engine has already computed, reused by later requests.
+"""The engine's KV blocks: a fixed pool, allocated per sequence, with a prefix cache over it.
 
-An agent's next turn is its previous turn's tokens plus the model's reply
-plus a tool's output (token in, token out: nothing before is re-tokenized),
-and concurrent rollouts of one task share their whole system prompt. Without
-this cache every turn prefills its whole context again, which on a CPU is
-most of an episode's time.
+Memory is set by one budget, `kv_cache_tokens`: the pool holds
+`kv_cache_tokens // block` blocks of `block` token positions (keys and values
+of every layer) and never grows. A sequence owns the blocks its positions fill,
+taken as it grows and returned when it finishes, is cancelled or is preempted;
+a request that finds no free block waits (see `engine.py`). So 32 sequences of
+mixed length cost what their tokens cost, not 32 times the longest one.
 
-The cache holds *blocks* of `block` consecutive tokens. A block is named by
-a digest of its tokens and its parent's digest (the block before it), so a
-block stands for the whole prefix that ends with it, and two prompts share
-exactly the blocks of their longest common prefix that ends on a block
-boundary (vLLM's automatic prefix caching works the same way). Each block
-holds its keys and values for every layer: `[L, Hkv, block, D]`, copied out
-of the engine's slot cache, so cached blocks never alias a running request.
+Prefix caching lives in the same pool, so it costs no memory of its own. A
+*full* block can be registered under a digest of its tokens and its parent's
+digest (the block before it): the digest stands for the whole prefix that ends
+with that block, and two prompts share exactly the blocks of their longest
+common prefix that ends on a block boundary (vLLM's automatic prefix caching
+works the same way). A new request whose prompt starts with registered blocks
+takes them by reference (no copy) and computes only the rest; it never writes
+into them, because a match ends on a block boundary and the request's own
+positions start after it. A registered block that no sequence uses any more
+stays in the pool as *idle* and is reused until a new allocation needs its
+memory (least recently used first).
 
-Bounds and eviction: at most `budget_tokens // block` blocks, least recently
-used first. Every lookup and insert touches a chain from its deepest block
-back to its first, so a block is always at least as recent as any block that
-extends it: eviction removes ends of chains before their beginnings and never
-leaves a reachable block without its parent.
+Bounds and eviction: at most `cache_blocks` blocks are registered at once
+(`prefix_cache_tokens // block`, 0 turns prefix caching off); past that the
+least recently used is unregistered (and freed if idle). Every lookup and
+registration touches a chain from its deepest block back to its first, so a
+block is always at least as recent as any block that extends it: eviction
+removes ends of chains before their beginnings.
 
-What the engine guarantees around it (see `engine.py`): blocks are inserted
-only from requests whose KV was computed entirely by the current weights, and
-the whole cache is dropped when a weight update lands, so a hit never mixes
-policy versions. A match stops at least one token short of the prompt, since
-the engine needs the logits of the last prompt token.
+What the engine guarantees around it: blocks are registered only from
+requests whose KV was computed entirely by the current weights, and `clear()`
+unregisters everything when a weight update lands, so a hit never mixes policy
+versions. A match stops at least one token short of the prompt, since the
+engine needs the logits of the last prompt token.
 
-Digests are BLAKE2b-128 of the parent digest and the block's token ids:
-a false match would need a hash collision.
-
-Shape legend: L layers, Hkv key/value heads, n tokens, D head dim.
+Digests are BLAKE2b-128 of the parent digest and the block's token ids: a false
+match would need a hash collision. Only the engine's scheduler thread uses a
+pool: it is not locked.
 """
 
 from __future__ import annotations
@@ -37,18 +42,6 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Callable
-
-import torch
-
-KVReader = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
-
-
-@dataclass
-class Block:
-    k_LHnD: torch.Tensor
-    v_LHnD: torch.Tensor
 
 
 def block_keys(tokens: list[int], n_blocks: int, block: int) -> list[bytes]:
@@ -62,72 +55,142 @@ def block_keys(tokens: list[int], n_blocks: int, block: int) -> list[bytes]:
     return keys
 
 
-class PrefixCache:
-    """An LRU store of KV blocks keyed by token prefix; see the module docstring.
+class BlockPool:
+    """`num_blocks` KV blocks of `block` positions: allocation, reference counts, prefix index.
 
-    `PrefixCache(budget_tokens, block=32)`; `budget_tokens=0` disables it.
-    Only the engine's scheduler thread uses it: it is not locked.
+    `BlockPool(num_blocks, block=32, cache_blocks=num_blocks)`. Block ids index
+    the engine's KV tensors. A block is *free* (in no sequence, not registered),
+    *used* (held by one or more sequences) or *idle* (registered, held by none).
+    `allocate` takes free blocks first, then evicts idle ones.
     """
 
-    def __init__(self, budget_tokens: int, block: int = 32) -> None:
-        if budget_tokens < 0 or block < 1:
-            raise ValueError("budget_tokens must be >= 0 and block >= 1")
+    def __init__(self, num_blocks: int, block: int = 32, cache_blocks: int | None = None) -> None:
+        if num_blocks < 1 or block < 1:
+            raise ValueError("num_blocks and block must be >= 1")
         self.block = block
-        self.max_blocks = budget_tokens // block
-        self._blocks: OrderedDict[bytes, Block] = OrderedDict()
+        self.num_blocks = num_blocks
+        self.max_blocks = num_blocks if cache_blocks is None else max(0, min(cache_blocks, num_blocks))
+        self._free = list(range(num_blocks - 1, -1, -1))   # a stack: low ids first
+        self._refs = [0] * num_blocks
+        self._by_key: OrderedDict[bytes, int] = OrderedDict()  # registered blocks, least recent first
+        self._key_of: dict[int, bytes] = {}
+        self.peak_used = 0
 
+    # -- accounting -----------------------------------------------------------------
     @property
     def enabled(self) -> bool:
+        """Whether prefix caching is on."""
         return self.max_blocks > 0
 
     @property
     def tokens(self) -> int:
-        """Tokens held now."""
-        return len(self._blocks) * self.block
+        """Token positions registered for reuse now (in use or idle)."""
+        return len(self._by_key) * self.block
 
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._blocks
+    @property
+    def used(self) -> int:
+        """Blocks held by at least one sequence."""
+        return sum(1 for r in self._refs if r > 0)
 
+    @property
+    def available(self) -> int:
+        """Blocks an allocation could get now: free ones plus idle registered ones."""
+        return len(self._free) + sum(1 for b in self._by_key.values() if self._refs[b] == 0)
+
+    # -- allocation -----------------------------------------------------------------
+    def allocate(self, n: int) -> list[int] | None:
+        """`n` blocks for one sequence (reference count 1), or None, taking nothing, if the pool
+        cannot supply them."""
+        if n <= 0:
+            return []
+        if n > self.available:
+            return None
+        out = []
+        while len(out) < n:
+            if not self._free:
+                self._evict_idle()
+            b = self._free.pop()
+            self._refs[b] = 1
+            out.append(b)
+        self._note_peak()
+        return out
+
+    def release(self, blocks: list[int]) -> None:
+        """Drop one reference to each block; unreferenced unregistered blocks become free."""
+        for b in blocks:
+            self._refs[b] -= 1
+            if self._refs[b] == 0 and b not in self._key_of:
+                self._free.append(b)
+
+    # -- prefix cache ---------------------------------------------------------------
     def keys_for(self, prompt: list[int]) -> list[bytes]:
         """Digests of the blocks a prompt could reuse: full blocks, leaving at least one token to run."""
         if not self.enabled:
             return []
         return block_keys(prompt, (len(prompt) - 1) // self.block, self.block)
 
-    def match(self, keys: list[bytes]) -> list[Block]:
-        """The cached blocks of the longest cached prefix of `keys` (touched as recently used)."""
-        found = []
-        for key in keys:
-            entry = self._blocks.get(key)
-            if entry is None:
-                break
-            found.append(key)
-        self._touch(found)
-        return [self._blocks[k] for k in found]
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._by_key
 
-    def insert(self, tokens: list[int], length: int, read: KVReader) -> int:
-        """Cache the full blocks of `tokens[:length]`; `read(start, end)` copies their (k, v) out.
+    def cached_prefix(self, keys: list[bytes]) -> int:
+        """How many of `keys`, from the first, are registered."""
+        n = 0
+        while n < len(keys) and keys[n] in self._by_key:
+            n += 1
+        return n
 
-        Returns the number of blocks added. At most `max_blocks` of the chain are kept.
-        """
-        n = min(length // self.block, self.max_blocks)
-        if n == 0:
+    def match(self, keys: list[bytes]) -> list[int]:
+        """The registered blocks of the longest registered prefix of `keys`, each with one more
+        reference (the caller's sequence now holds them; give them back with `release`)."""
+        found = [self._by_key[k] for k in keys[:self.cached_prefix(keys)]]
+        self._touch(keys[:len(found)])
+        for b in found:
+            self._refs[b] += 1
+        self._note_peak()
+        return found
+
+    def register(self, tokens: list[int], blocks: list[int], length: int) -> int:
+        """Register the full blocks among the first `length` positions of `tokens`, held in
+        `blocks` (the sequence's block table). Returns the number of blocks newly registered."""
+        n = min(length // self.block, len(blocks))
+        if not self.enabled or n == 0:
             return 0
         keys = block_keys(tokens, n, self.block)
         added = 0
-        for j, key in enumerate(keys):
-            if key not in self._blocks:
-                k, v = read(j * self.block, (j + 1) * self.block)
-                self._blocks[key] = Block(k, v)
-                added += 1
-        self._touch(keys)
-        while len(self._blocks) > self.max_blocks:
-            self._blocks.popitem(last=False)
+        for key, b in zip(keys, blocks):
+            if key in self._by_key or b in self._key_of:
+                continue  # another block already holds this prefix; this one stays private
+            self._by_key[key] = b
+            self._key_of[b] = key
+            added += 1
+        self._touch([k for k in keys if k in self._by_key])
+        while len(self._by_key) > self.max_blocks:
+            self._unregister(next(iter(self._by_key)))
         return added
 
     def clear(self) -> None:
-        self._blocks.clear()
+        """Unregister every block (a weight update landed): idle ones become free."""
+        for key in list(self._by_key):
+            self._unregister(key)
+
+    # -- internals --------------------------------------------------------------------
+    def _unregister(self, key: bytes) -> None:
+        b = self._by_key.pop(key)
+        del self._key_of[b]
+        if self._refs[b] == 0:
+            self._free.append(b)
+
+    def _evict_idle(self) -> None:
+        for key, b in self._by_key.items():  # least recently used first
+            if self._refs[b] == 0:
+                self._unregister(key)
+                return
+        raise RuntimeError("no idle block to evict")  # `available` said there was one
 
     def _touch(self, keys: list[bytes]) -> None:
         for key in reversed(keys):  # the first block ends up most recent: chains lose their ends first
-            self._blocks.move_to_end(key)
+            self._by_key.move_to_end(key)
+
+    def _note_peak(self) -> None:
+        used = self.num_blocks - len(self._free)  # held or idle-registered: what the pool's memory holds
+        self.peak_used = max(self.peak_used, used)
