@@ -2,7 +2,40 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
+import time
+
 import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(engine):
+    """Serve `engine` with uvicorn on a free port in a thread; yield the base URL."""
+    import uvicorn
+
+    from atelier.inference.server import create_app
+
+    srv = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=free_port(),
+                                        log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not srv.started and time.monotonic() < deadline and thread.is_alive():
+        time.sleep(0.05)
+    assert srv.started, "uvicorn did not start"
+    try:
+        yield f"http://127.0.0.1:{srv.config.port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=30)
 
 
 @pytest.fixture(scope="session")

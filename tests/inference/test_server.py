@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import pytest
@@ -11,37 +9,18 @@ import pytest
 from atelier.inference.client import GenerateClient, OpenAIChatModel, ServerError, connect, parse_tool_calls
 from atelier.inference.models import ModelNotFound
 from atelier.inference.types import ChatModel, SamplingParams, TokenModel
+from tests.inference.conftest import free_port, serving
 
 openai = pytest.importorskip("openai")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(spiky_model_dir):
     """(engine, base_url): uvicorn serving a LocalEngine in a thread for this module."""
-    import uvicorn
-
     from atelier.inference.engine import LocalEngine
-    from atelier.inference.server import create_app
 
-    engine = LocalEngine(spiky_model_dir, dtype="float32", max_batch=8)
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not srv.started and time.monotonic() < deadline and thread.is_alive():
-        time.sleep(0.05)
-    assert srv.started, "uvicorn did not start"
-    yield engine, f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(timeout=30)
-    engine.close()
+    with LocalEngine(spiky_model_dir, dtype="float32", max_batch=8) as engine, serving(engine) as url:
+        yield engine, url
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +165,7 @@ def test_openai_chat_model_and_connect(server):
 
 def test_unreachable_server_says_how_to_start_one():
     with pytest.raises(ServerError, match="cannot reach") as info:
-        OpenAIChatModel(f"http://127.0.0.1:{_free_port()}", model="m").chat(MESSAGES)
+        OpenAIChatModel(f"http://127.0.0.1:{free_port()}", model="m").chat(MESSAGES)
     assert "atelier serve" in info.value.hint
 
 
@@ -226,7 +205,7 @@ def test_atelier_serve_command_serves(tiny_model_dir, tmp_path):
     import httpx
 
     env = {**os.environ, "ATELIER_CACHE": str(tmp_path / "cache")}
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "atelier.cli.main", "serve", "--model", str(tiny_model_dir),
                              "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:

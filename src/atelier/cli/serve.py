@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from atelier.inference.models import DEFAULT_PREFIX_CACHE_TOKENS
+from atelier.inference.models import DEFAULT_KV_CACHE_TOKENS, DEFAULT_PREFIX_CACHE_TOKENS
 
 
 def serve(
@@ -18,11 +18,18 @@ def serve(
     port: int = typer.Option(8000, "--port", "-p", help="TCP port to listen on."),
     host: str = typer.Option("127.0.0.1", "--host", help="Interface to bind (0.0.0.0 for all)."),
     device: str = typer.Option("cpu", "--device", help="torch device: cpu, cuda, cuda:1 ..."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or auto (fp32 on CPU)."),
+    dtype: Optional[str] = typer.Option(
+        None, "--dtype", help="float32, bfloat16 or auto (the default: bf16 on GPUs and on CPUs with "
+                              "AMX or AVX512-BF16, else fp32)."),
     max_batch: int = typer.Option(32, "--max-batch", help="Most sequences decoded together."),
+    kv_cache_tokens: int = typer.Option(
+        DEFAULT_KV_CACHE_TOKENS, "--kv-cache-tokens", min=64,
+        help="The engine's whole KV memory, in token positions; requests wait when it is full."),
     prefix_cache_tokens: int = typer.Option(
         DEFAULT_PREFIX_CACHE_TOKENS, "--prefix-cache-tokens", min=0,
-        help="Tokens of earlier prompts whose keys and values are kept for reuse (0: off)."),
+        help="Of that, tokens of earlier prompts kept for reuse (0: no prefix caching)."),
+    max_queue: int = typer.Option(
+        256, "--max-queue", min=0, help="Requests allowed to wait; past it the server answers 503."),
 ) -> None:
     """Serve MODEL over HTTP: /v1/chat/completions (streaming), /v1/completions,
     /v1/models, /v1/generate (token ids), /v1/weights, /health.
@@ -37,9 +44,11 @@ def serve(
 
     from atelier.inference.server import create_app
 
-    with open_model(model, device=device, dtype=dtype, max_batch=max_batch,
-                    prefix_cache_tokens=prefix_cache_tokens) as engine:
-        typer.echo(f"serving {engine.name} on http://{host}:{port}/v1", err=True)
+    with open_model(model, device=device, dtype=dtype, max_batch=max_batch, kv_cache_tokens=kv_cache_tokens,
+                    prefix_cache_tokens=prefix_cache_tokens, max_queue=max_queue) as engine:
+        typer.echo(f"serving {engine.name} ({str(engine.dtype).removeprefix('torch.')}, KV "
+                   f"{engine.kv_bytes / 2**20:.0f} MiB for {engine.kv_cache_tokens} tokens) on "
+                   f"http://{host}:{port}/v1", err=True)
         uvicorn.run(create_app(engine), host=host, port=port, log_level="warning")
 
 

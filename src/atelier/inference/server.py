@@ -28,10 +28,26 @@ Endpoints:
   live. In-flight requests continue on the new weights; the versions in
   their replies show where the change happened.
 
-Errors a client causes (bad prompt, bad weights) answer 400 with
-`{"error": {"message", "hint", "type"}}`. Request handlers run in worker
-threads and block in `engine.generate`, so concurrent requests are batched
-by the engine's scheduler.
+Errors a client causes answer a 4xx with OpenAI's error shape plus a hint,
+`{"error": {"message", "type", "param", "code", "hint"}}`:
+
+- 400: a body that is not JSON or not an object, a field of the wrong type, an
+  empty `messages` list, `max_tokens` below 1 or above the model's context, a
+  prompt that does not fit the context, `temperature < 0`, `top_p` outside
+  (0, 1], `n != 1`, a chat template that cannot render the messages, bad
+  weights;
+- 404: a `model` that is not the one served (its name, its directory, or the
+  directory's base name; leaving `model` out is fine);
+- 503 with `Retry-After`: more than `max_queue` requests already wait for the
+  engine (the `openai` client retries these by itself).
+
+Concurrency and cancellation: handlers are coroutines. A request goes to the
+engine with `engine.submit` and the handler awaits its completion, so any
+number of clients wait without a thread each, and the engine batches them.
+While it waits, the handler also listens for the client going away: a
+non-streaming client that disconnects, or a streaming one whose connection
+drops (Starlette cancels the stream), cancels its request, which leaves the
+engine within one step and gives back its KV blocks.
 """
 
 from __future__ import annotations
@@ -45,11 +61,45 @@ from typing import Any, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from atelier.errors import AtelierError
 from atelier.inference.types import Generation, SamplingParams
+
+
+class BadRequest(AtelierError):
+    """A request the API refuses before it reaches the engine (HTTP `status`, 400 by default)."""
+
+    def __init__(self, message: str, hint: str | None = None, *, status: int = 400, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.status, self.param, self.code = status, param, code
+
+
+def _error(status: int, message: str, hint: str | None = None, *, type_: str = "invalid_request_error",
+           param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, headers=headers, content={"error": {
+        "message": message, "type": type_, "param": param, "code": code, "hint": hint}})
+
+
+def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """One readable sentence for pydantic's errors, and the parameter it is about."""
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        ctx = first.get("ctx") or {}
+        return f"malformed JSON body: {ctx.get('error', first.get('msg', 'cannot parse'))}", None
+    if not loc and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
+        return "the request body must be a JSON object", None
+    param = ".".join(loc) or None
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return f"invalid {param or 'body'}: {first.get('msg', 'invalid value')}{more}", param
+
+
+class _ClientGone(Exception):
+    """The HTTP client disconnected before its request finished."""
 
 
 class _Sampling(BaseModel):
@@ -64,11 +114,20 @@ class _Sampling(BaseModel):
     stop: Union[str, list[str], None] = None
     stop_token_ids: Optional[list[int]] = None
     stream: bool = False
+    n: Optional[int] = None
 
     def params(self, default_max: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if self.temperature < 0:
+            raise BadRequest(f"temperature must be >= 0, got {self.temperature}", param="temperature")
+        if not 0 < self.top_p <= 1:
+            raise BadRequest(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
+        if self.n not in (None, 1):
+            raise BadRequest(f"n={self.n} is not supported: this server returns one choice per request",
+                             hint="send n separate requests (they are batched together)", param="n")
+        chosen = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return SamplingParams(
-            max_tokens=self.max_completion_tokens or self.max_tokens or default_max,
+            max_tokens=default_max if chosen is None else chosen,
             temperature=self.temperature, top_p=self.top_p, seed=self.seed,
             stop_token_ids=tuple(self.stop_token_ids or ()), stop=tuple(stop),
         )
@@ -162,23 +221,60 @@ def create_app(engine) -> FastAPI:
     """The FastAPI app serving `engine` (a `LocalEngine`); see the module docstring."""
     # Long on purpose: FastAPI routes are closures over the engine and the settings, each a few lines;
     # this function is the list of them.
+    from atelier.inference.engine import EngineBusy
+
     app = FastAPI(title="atelier inference")
     tokenizer = engine.tokenizer
+    names = {engine.name, str(engine.path), engine.path.name}
+
+    @app.exception_handler(EngineBusy)
+    async def _busy(request: Request, exc: EngineBusy) -> JSONResponse:
+        return _error(503, exc.message, exc.hint, type_="server_busy", code="queue_full",
+                      headers={"Retry-After": str(exc.retry_after)})
+
+    @app.exception_handler(BadRequest)
+    async def _bad(request: Request, exc: BadRequest) -> JSONResponse:
+        return _error(exc.status, exc.message, exc.hint, param=exc.param, code=exc.code)
 
     @app.exception_handler(AtelierError)
     async def _user_error(request: Request, exc: AtelierError) -> JSONResponse:
-        return JSONResponse(status_code=400, content={"error": {
-            "message": exc.message, "hint": exc.hint, "type": type(exc).__name__}})
+        return _error(400, exc.message, exc.hint, type_=type(exc).__name__)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(list(exc.errors()))
+        return _error(400, message, "send a JSON object as the OpenAI API describes", param=param)
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model not in names:
+            raise BadRequest(f"model {model!r} is not served here; this server serves {engine.name!r}",
+                             hint="pass that name, or leave `model` out",
+                             status=404, param="model", code="model_not_found")
+
+    def checked(prompt: list[int], params: SamplingParams) -> None:
+        try:
+            engine.check_request(len(prompt), params.max_tokens, strict=True)
+        except AtelierError as exc:
+            raise BadRequest(exc.message, exc.hint, param="max_tokens" if "max_tokens" in exc.message else None)
 
     def usage(prompt: list[int], gen: Generation) -> dict[str, int]:
         return {"prompt_tokens": len(prompt), "completion_tokens": len(gen.token_ids),
                 "total_tokens": len(prompt) + len(gen.token_ids)}
 
     def chat_prompt(req: ChatRequest) -> list[int]:
+        if not req.messages:
+            raise BadRequest("messages is empty", hint="send at least one message", param="messages")
+        for i, m in enumerate(req.messages):
+            if not isinstance(m.get("role"), str):
+                raise BadRequest(f"messages[{i}] has no role", param=f"messages.{i}.role",
+                                 hint="each message needs a role: system, user, assistant or tool")
         messages = [{**m, "content": _text_of(m.get("content"))} for m in req.messages]
         kwargs = {"tools": req.tools} if req.tools else {}
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                            return_dict=False, **kwargs)
+        try:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                return_dict=False, **kwargs)
+        except Exception as exc:  # jinja errors: the messages do not fit the model's template
+            raise BadRequest(f"the chat template cannot render these messages: {exc}", param="messages") from exc
         return [int(t) for t in ids]
 
     def token_logprobs(gen: Generation) -> list[dict[str, Any]]:
@@ -190,7 +286,9 @@ def create_app(engine) -> FastAPI:
 
     @app.get("/health")
     def health() -> dict[str, Any]:
-        return {"status": "ok", "model": engine.name, "version": engine.version}
+        return {"status": "ok", "model": engine.name, "version": engine.version,
+                "waiting": engine.waiting, "kv_blocks_used": engine.pool.used,
+                "kv_blocks": engine.pool.num_blocks}
 
     @app.get("/v1/models")
     def list_models() -> dict[str, Any]:
@@ -201,8 +299,13 @@ def create_app(engine) -> FastAPI:
         }]}
 
     @app.post("/v1/generate")
-    def generate(req: GenerateRequest) -> dict[str, Any]:
-        gen = engine.generate(req.prompt_ids, req.params(256))
+    async def generate(req: GenerateRequest, request: Request):
+        params = req.params(256)
+        checked(req.prompt_ids, params)
+        try:
+            gen = await _complete(engine, req.prompt_ids, params, request)
+        except _ClientGone:
+            return Response(status_code=499)
         return {"token_ids": gen.token_ids, "logprobs": gen.logprobs, "versions": gen.versions,
                 "finish_reason": gen.finish_reason, "text": gen.text}
 
@@ -212,14 +315,22 @@ def create_app(engine) -> FastAPI:
         return {"version": engine.version, "tensors": count}
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        prompt = tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+    async def completions(req: CompletionRequest, request: Request):
+        check_model(req.model)
         params = req.params(16)
+        if isinstance(req.prompt, str):
+            prompt = await run_in_threadpool(tokenizer.encode, req.prompt)
+        else:
+            prompt = list(req.prompt)
+        checked(prompt, params)
         base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": int(time.time()), "model": engine.name}
         if req.stream:
             return _stream(engine, prompt, params, base, chat=False)
-        gen = await run_in_threadpool(engine.generate, prompt, params)
+        try:
+            gen = await _complete(engine, prompt, params, request)
+        except _ClientGone:
+            return Response(status_code=499)
         logprobs = None
         if req.logprobs is not None:
             pieces = [tokenizer.decode([t]) for t in gen.token_ids]
@@ -232,14 +343,19 @@ def create_app(engine) -> FastAPI:
         return {**base, "choices": [choice], "usage": usage(prompt, gen)}
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatRequest):
-        prompt = chat_prompt(req)
+    async def chat_completions(req: ChatRequest, request: Request):
+        check_model(req.model)
         params = req.params(256)
+        prompt = await run_in_threadpool(chat_prompt, req)
+        checked(prompt, params)
         base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                 "created": int(time.time()), "model": engine.name}
         if req.stream:
             return _stream(engine, prompt, params, {**base, "object": "chat.completion.chunk"}, chat=True)
-        gen = await run_in_threadpool(engine.generate, prompt, params)
+        try:
+            gen = await _complete(engine, prompt, params, request)
+        except _ClientGone:
+            return Response(status_code=499)
         content = visible_text(gen.text, params.stop, True)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         finish = gen.finish_reason
@@ -256,30 +372,50 @@ def create_app(engine) -> FastAPI:
     return app
 
 
+async def _until_disconnect(request: Request) -> None:
+    """Return when the client goes away (its body is already read, so the next message is that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _complete(engine, prompt: list[int], params: SamplingParams, request: Request) -> Generation:
+    """Submit to the engine and wait without a thread; cancel the request if the client leaves."""
+    loop = asyncio.get_running_loop()
+    finished = asyncio.Event()
+    handle = engine.submit(prompt, params, on_done=lambda: loop.call_soon_threadsafe(finished.set))
+    waiter = asyncio.ensure_future(finished.wait())
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not finished.is_set():
+            raise _ClientGone()
+        return handle.result()
+    finally:
+        waiter.cancel()
+        watcher.cancel()
+        if not handle.done:
+            handle.cancel()
+
+
 def _stream(engine, prompt: list[int], params: SamplingParams, base: dict[str, Any], *, chat: bool):
     """Server-sent events: one chunk per sampled token, then the finish chunk and `[DONE]`.
 
     Ordering: the engine's scheduler thread pushes `(token, logprob, version)`
-    into an asyncio queue in sampling order; this coroutine turns them into
-    chunks in that order. Text is the difference between decodings of all
-    tokens so far (a token that ends inside a multi-byte character holds its
+    into an asyncio queue in sampling order, then the end; this coroutine turns
+    them into chunks in that order. Text is the difference between decodings of
+    all tokens so far (a token that ends inside a multi-byte character holds its
     text back until the character completes); token ids are never held back.
+    The request is submitted when the response starts; if the stream stops
+    early (the client went away), it is cancelled.
     """
     # Long on purpose: one SSE generator over the queue from the engine's thread and the text decoded so
-    # far; `on_token`, `run` and `chunk` are closures over that state, each a few lines.
+    # far; `on_token` and `chunk` are closures over that state, each a few lines.
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     tokenizer = engine.tokenizer
 
     def on_token(token: int, logprob: float, version: int) -> None:
         loop.call_soon_threadsafe(queue.put_nowait, ("token", token, logprob, version))
-
-    def run() -> None:
-        try:
-            gen = engine.generate(prompt, params, on_token=on_token)
-            loop.call_soon_threadsafe(queue.put_nowait, ("done", gen))
-        except Exception as exc:  # reported in-band: the HTTP status is already sent
-            loop.call_soon_threadsafe(queue.put_nowait, ("error", exc))
 
     def chunk(text: str | None, ext: dict[str, Any], finish: str | None, first: bool = False) -> str:
         if chat:
@@ -292,35 +428,41 @@ def _stream(engine, prompt: list[int], params: SamplingParams, base: dict[str, A
         choice["atelier"] = ext
         return f"data: {json.dumps({**base, 'choices': [choice]})}\n\n"
 
+    # Submitted here, so a full queue answers 503 before any byte of the stream is sent.
+    handle = engine.submit(prompt, params, on_token=on_token,
+                           on_done=lambda: loop.call_soon_threadsafe(queue.put_nowait, ("done",)))
+
     async def events():
-        task = loop.run_in_executor(None, run)
         ids: list[int] = []
         sent = ""
-        yield chunk(None, {"token_ids": [], "logprobs": [], "versions": []}, None, first=True)
-        while True:
-            item = await queue.get()
-            if item[0] == "token":
-                _, token, logprob, version = item
-                ids.append(token)
-                text = tokenizer.decode(ids, skip_special_tokens=True)
-                new = ""
-                if not text.endswith("\ufffd"):
-                    shown = visible_text(text, params.stop, False)
-                    if len(shown) > len(sent):
-                        new, sent = shown[len(sent):], shown
-                yield chunk(new, {"token_ids": [token], "logprobs": [logprob], "versions": [version]}, None)
-            elif item[0] == "done":
-                gen = item[1]
+        try:
+            yield chunk(None, {"token_ids": [], "logprobs": [], "versions": []}, None, first=True)
+            while True:
+                item = await queue.get()
+                if item[0] == "token":
+                    _, token, logprob, version = item
+                    ids.append(token)
+                    text = tokenizer.decode(ids, skip_special_tokens=True)
+                    new = ""
+                    if not text.endswith("\ufffd"):
+                        shown = visible_text(text, params.stop, False)
+                        if len(shown) > len(sent):
+                            new, sent = shown[len(sent):], shown
+                    yield chunk(new, {"token_ids": [token], "logprobs": [logprob], "versions": [version]}, None)
+                    continue
+                try:
+                    gen = handle.result()
+                except Exception as exc:  # reported in-band: the HTTP status is already sent
+                    message = exc.message if isinstance(exc, AtelierError) else str(exc)
+                    yield f"data: {json.dumps({'error': {'message': message, 'type': type(exc).__name__}})}\n\n"
+                    break
                 rest = visible_text(gen.text, params.stop, True)[len(sent):]
                 yield chunk(rest, {"token_ids": [], "logprobs": [], "versions": [],
                                    "prompt_token_ids": prompt}, gen.finish_reason)
                 break
-            else:
-                exc = item[1]
-                message = exc.message if isinstance(exc, AtelierError) else str(exc)
-                yield f"data: {json.dumps({'error': {'message': message, 'type': type(exc).__name__}})}\n\n"
-                break
-        await task
-        yield "data: [DONE]\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            if not handle.done:
+                handle.cancel()
 
     return StreamingResponse(events(), media_type="text/event-stream")
