@@ -1,31 +1,34 @@
-"""Generation throughput: atelier's LocalEngine against transformers' `generate`.
+"""Generation throughput, prefix caching, weight-update latency and `atelier serve` memory, in one run.
 
-Same model, same prompts, same number of new tokens (stop tokens disabled on
-both sides, greedy), at 1 and at N (default 16) concurrent sequences, in one
-run. Prints ONE JSON object with tokens/s for each side and the ratios.
+Rows (one function each, `row_<name>(ctx) -> dict`; add an engine by adding a
+function to `ROWS`): the built-in engine in fp32 and in bf16, and transformers'
+`generate` over one left-padded batch (its best configuration when every
+request is known up front) in fp32 and in bf16. Every row runs the same chat
+prompts, greedy, stop tokens disabled, the same number of new tokens, at each
+batch size (default 1, 16, 64): tokens/s. The engine gets B concurrent
+`submit`s; transformers one `generate` over all B.
 
-Peers at N concurrent sequences:
-- `hf_concurrent` (the target's peer): N threads that each call `generate`
-  on their own request at once — transformers serving N concurrent
-  requests, as a server without a batching engine would;
-- `hf_batched`: one `generate` call over all N prompts, left-padded — the
-  best plain transformers can do when every request is known up front
-  (reported for reference; at N=16 on a CPU both sides are bound by the
-  same matrix multiplies, so expect a ratio near 1 there).
-The engine gets N threads that each call `engine.generate` at once. Its
-prefix cache is cleared before each timed run, so no run reuses another's
-prompts (the warm-up's included).
+Also measured, on the built-in engine:
+- `agent`: A agents (default 4) run T turns (default 3) at once from the
+  harness's real prompt (every tool's schema, ~1,300 tokens), each turn's
+  prompt the last one plus the reply (K greedy tokens) plus a tool output,
+  token in, token out; with the prefix cache in each dtype and without it in
+  the default dtype. The replies must be identical with and without.
+- `weight_update`: a full-model `update_weights` from in-process tensors and
+  from a safetensors directory, and publish-to-first-new-token: the time from
+  calling `update_weights` while 8 requests stream to the first token stamped
+  with the new version.
+- `serve_memory`: peak resident memory (VmHWM) of an `atelier serve` process
+  while C clients (default 16) each send one chat request with a ~3k-token
+  prompt; target <= 2 GB for SmolLM2-135M.
 
-Prefix cache (`prefix_cache`): an agent-like workload on the engine alone.
-A agents (default 4) run T turns (default 3) at once; each starts from the
-harness's real prompt (system message with every tool's schema, ~1,300
-tokens, then its own task) and each turn's prompt is the last one plus the
-reply (K greedy tokens) plus a tool output, token in, token out. Timed with
-`prefix_cache_tokens=0` and with the default cache; the replies must be
-identical, and the ratio of wall times is printed.
+Prints ONE JSON object. `default_dtype` is what `dtype="auto"` picks on this
+machine (the recipes' engine); `ratio_default_vs_hf_best_at_16` is that
+engine's tokens/s over the better of transformers' two rows at batch 16.
 
 Usage: python benchmarks/inference.py [--model smollm2-135m|tiny|DIR] [--new-tokens 64]
-       [--concurrency 16] [--threads 2] [--device cpu] [--agents 4] [--turns 3] [--turn-tokens 32]
+       [--batches 1,16,64] [--threads 2] [--agents 4] [--turns 3] [--turn-tokens 32]
+       [--serve-clients 16] [--serve-prompt-tokens 3000] [--skip agent,serve,...]
 The default model is pulled into the cache if missing.
 """
 
@@ -33,10 +36,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import subprocess
+import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 PROMPTS = [
     "Write a Python function that reverses a linked list.",
@@ -58,7 +66,15 @@ PROMPTS = [
 ]
 
 
-def _model_dir(spec: str, workdir: str):
+@dataclass
+class Context:
+    path: Path
+    args: argparse.Namespace
+    prompts: list[list[int]]      # enough for the largest batch
+    tokenizer: object
+
+
+def _model_dir(spec: str, workdir: str) -> Path:
     if spec == "tiny":
         from atelier.inference.tiny import build_tiny_model
 
@@ -75,66 +91,96 @@ def _model_dir(spec: str, workdir: str):
         return pull_model(spec)
 
 
-def _prompts(tokenizer, n: int) -> list[list[int]]:
-    out = []
-    for i in range(n):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
-                                            add_generation_prompt=True, tokenize=True, return_dict=False)
-        out.append([int(t) for t in ids])
+def _chat_ids(tokenizer, text: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False)
+    return [int(t) for t in ids]
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    value = fn()
+    return time.perf_counter() - start, value
+
+
+def _throughput(run, prompts: list[list[int]], batches: list[int]) -> dict[str, dict]:
+    """`run(prompts) -> tokens generated` timed at each batch size."""
+    out = {}
+    for b in batches:
+        secs, tokens = _timed(lambda: run(prompts[:b]))
+        out[str(b)] = {"seconds": round(secs, 2), "tokens": tokens, "tokens_per_s": round(tokens / secs, 1)}
     return out
 
 
-def _hf_generate(model, tokenizer, prompts: list[list[int]], new_tokens: int, device) -> int:
-    import torch
-
-    width = max(len(p) for p in prompts)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):  # left padding, as decoder-only generation needs
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    with torch.inference_mode():
-        out = model.generate(ids.to(device), attention_mask=mask.to(device), do_sample=False,
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad)
-    return int(out.shape[0] * (out.shape[1] - width))
-
-
-def _hf_concurrent(model, tokenizer, prompts: list[list[int]], new_tokens: int, device) -> int:
-    counts = [0] * len(prompts)
-    barrier = threading.Barrier(len(prompts))
-
-    def worker(i: int) -> None:
-        barrier.wait()
-        counts[i] = _hf_generate(model, tokenizer, [prompts[i]], new_tokens, device)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return sum(counts)
-
-
-def _engine_run(engine, prompts: list[list[int]], new_tokens: int) -> int:
+# -- rows -------------------------------------------------------------------------------
+def _builtin(ctx: Context, dtype: str) -> dict:
+    from atelier.inference.engine import LocalEngine
     from atelier.inference.types import SamplingParams
 
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, stop_token_ids=(-1,))
-    counts = [0] * len(prompts)
-    barrier = threading.Barrier(len(prompts))
+    params = SamplingParams(max_tokens=ctx.args.new_tokens, temperature=0.0, stop_token_ids=(-1,))
+    with LocalEngine(ctx.path, device=ctx.args.device, dtype=dtype, max_batch=max(ctx.args.batches)) as engine:
+        def run(prompts: list[list[int]]) -> int:
+            engine.clear_prefix_cache()  # no batch reuses another's prompts
+            handles = [engine.submit(p, params) for p in prompts]
+            return sum(len(h.result().token_ids) for h in handles)
 
-    def worker(i: int) -> None:
-        barrier.wait()
-        counts[i] = len(engine.generate(prompts[i], params).token_ids)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return sum(counts)
+        run(ctx.prompts[:2])  # warm-up
+        return {"dtype": str(engine.dtype).removeprefix("torch."), **_throughput(run, ctx.prompts, ctx.args.batches)}
 
 
+def _transformers(ctx: Context, dtype: str) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    model = AutoModelForCausalLM.from_pretrained(ctx.path, dtype=torch_dtype).to(ctx.args.device).eval()
+    tokenizer = ctx.tokenizer
+    k = ctx.args.new_tokens
+
+    def run(prompts: list[list[int]]) -> int:
+        width = max(len(p) for p in prompts)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left padding, as decoder-only generation needs
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        with torch.inference_mode():
+            out = model.generate(ids.to(ctx.args.device), attention_mask=mask.to(ctx.args.device), do_sample=False,
+                                 max_new_tokens=k, min_new_tokens=k, pad_token_id=pad)
+        return int(out.shape[0] * (out.shape[1] - width))
+
+    run(ctx.prompts[:1])  # warm-up
+    result = {"dtype": dtype, **_throughput(run, ctx.prompts, ctx.args.batches)}
+    del model
+    return result
+
+
+def row_builtin_fp32(ctx: Context) -> dict:
+    return _builtin(ctx, "float32")
+
+
+def row_builtin_bf16(ctx: Context) -> dict:
+    return _builtin(ctx, "bfloat16")
+
+
+def row_transformers_padded_fp32(ctx: Context) -> dict:
+    return _transformers(ctx, "float32")
+
+
+def row_transformers_padded_bf16(ctx: Context) -> dict:
+    return _transformers(ctx, "bfloat16")
+
+
+ROWS = {
+    "builtin_fp32": row_builtin_fp32,
+    "builtin_bf16": row_builtin_bf16,
+    "transformers_padded_fp32": row_transformers_padded_fp32,
+    "transformers_padded_bf16": row_transformers_padded_bf16,
+}
+
+
+# -- the agent workload ------------------------------------------------------------------
 AGENT_TASKS = [
     "The test test_parse_dates fails on ISO dates with a timezone offset. Fix the parser in src/dates.py.",
     "Rename the function load_cfg to load_config everywhere and keep a deprecated alias.",
@@ -168,11 +214,9 @@ def _agents_run(engine, prompts: list[list[int]], turns: int, turn_tokens: int) 
     params = SamplingParams(max_tokens=turn_tokens, temperature=0.0, stop_token_ids=(-1,))
     tool = [int(t) for t in engine.tokenizer.encode(TOOL_OUTPUT)]
     replies: list[list[list[int]]] = [[] for _ in prompts]
-    barrier = threading.Barrier(len(prompts))
 
     def agent(i: int) -> None:
         prompt = prompts[i]
-        barrier.wait()
         for _ in range(turns):
             reply = engine.generate(prompt, params).token_ids
             replies[i].append(reply)
@@ -186,106 +230,180 @@ def _agents_run(engine, prompts: list[list[int]], turns: int, turn_tokens: int) 
     return replies
 
 
-def _prefix_cache_figure(path, args, dtype) -> dict:
+def agent_workload(ctx: Context, dtype: str, cache: bool) -> tuple[dict, list]:
     from atelier.inference.engine import LocalEngine
 
-    out: dict = {"agents": args.agents, "turns": args.turns, "turn_tokens": args.turn_tokens}
-    replies = {}
-    for name, budget in (("no_cache", 0), ("cache", None)):
-        kwargs = {} if budget is None else {"prefix_cache_tokens": budget}
-        with LocalEngine(path, device=args.device, dtype=dtype, max_batch=max(args.agents, 1), **kwargs) as engine:
-            prompts = _agent_prompts(engine.tokenizer, args.agents)
-            out["prompt_tokens"] = [len(p) for p in prompts]
-            _agents_run(engine, [prompts[0][:8]], 1, 2)  # warm-up on a prompt no agent shares a block with
-            engine.clear_prefix_cache()
-            start = engine.stats.copy()
-            secs, replies[name] = _timed_value(lambda: _agents_run(engine, prompts, args.turns, args.turn_tokens))
-            out[name] = {"seconds": round(secs, 3),
-                         "tokens": sum(len(r) for agent in replies[name] for r in agent),
-                         "prefill_tokens": engine.stats["prefill_tokens"] - start["prefill_tokens"],
-                         "prefix_hit_tokens": engine.stats["prefix_hit_tokens"] - start["prefix_hit_tokens"],
-                         "prefix_cache_tokens": engine.prefix_cache.max_blocks * engine.prefix_cache.block}
-    out["identical_outputs"] = replies["cache"] == replies["no_cache"]
-    out["speedup"] = round(out["no_cache"]["seconds"] / out["cache"]["seconds"], 2)
-    return out
+    a = ctx.args
+    kwargs = {} if cache else {"prefix_cache_tokens": 0}
+    with LocalEngine(ctx.path, device=a.device, dtype=dtype, max_batch=max(a.agents, 1), **kwargs) as engine:
+        prompts = _agent_prompts(engine.tokenizer, a.agents)
+        _agents_run(engine, [prompts[0][:8]], 1, 2)  # warm-up on a prompt no agent shares a block with
+        engine.clear_prefix_cache()
+        start = dict(engine.stats)
+        secs, replies = _timed(lambda: _agents_run(engine, prompts, a.turns, a.turn_tokens))
+        return {"dtype": dtype, "prefix_cache": cache, "seconds": round(secs, 2),
+                "prompt_tokens": [len(p) for p in prompts],
+                "prefill_tokens": engine.stats["prefill_tokens"] - start["prefill_tokens"],
+                "prefix_hit_tokens": engine.stats["prefix_hit_tokens"] - start["prefix_hit_tokens"]}, replies
 
 
-def _timed_value(fn):
-    start = time.perf_counter()
-    value = fn()
-    return time.perf_counter() - start, value
+# -- weight updates ------------------------------------------------------------------------
+def weight_update(ctx: Context, dtype: str) -> dict:
+    from safetensors.torch import save_file
+
+    from atelier.inference.engine import LocalEngine
+    from atelier.inference.types import SamplingParams
+
+    with LocalEngine(ctx.path, device=ctx.args.device, dtype=dtype) as engine, \
+            tempfile.TemporaryDirectory() as tmp:
+        state = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+        in_process, _ = _timed(lambda: engine.update_weights(state, version=1))
+        save_file({k: v.contiguous() for k, v in state.items() if not k.startswith("lm_head")},
+                  f"{tmp}/model.safetensors")
+        from_path, _ = _timed(lambda: engine.update_weights_from_path(tmp, version=2))
+        first_new: list[float] = []
+        published = [0.0]
+
+        def on_token(token: int, logprob: float, version: int) -> None:
+            if version == 3 and not first_new:
+                first_new.append(time.perf_counter())
+
+        params = SamplingParams(max_tokens=512, temperature=0.0, stop_token_ids=(-1,))
+        handles = [engine.submit(p, params, on_token=on_token) for p in ctx.prompts[:8]]
+        fresh = {k: v.clone() for k, v in state.items()}
+        while engine.stats["steps"] < 3:
+            time.sleep(0.01)
+        published[0] = time.perf_counter()
+        engine.update_weights(fresh, version=3)
+        for h in handles:
+            h.cancel()
+        return {"dtype": dtype, "tensors": len(state),
+                "in_process_s": round(in_process, 3), "from_safetensors_dir_s": round(from_path, 3),
+                "publish_to_first_new_token_s": round(first_new[0] - published[0], 3) if first_new else None}
 
 
-def _timed(fn) -> tuple[float, int]:
-    start = time.perf_counter()
-    tokens = fn()
-    return time.perf_counter() - start, tokens
+# -- atelier serve's memory ---------------------------------------------------------------
+def _vm(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
+def serve_memory(ctx: Context, dtype: str | None) -> dict:
+    import socket
+
+    import httpx
+
+    a = ctx.args
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "atelier.cli.main", "serve", "--model", str(ctx.path), "--port", str(port)]
+    if dtype:
+        cmd += ["--dtype", dtype]
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(proc.stderr.read().decode()[-2000:])
+            try:
+                httpx.get(url + "/health", timeout=2)
+                break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("atelier serve did not come up")
+                time.sleep(0.3)
+        idle = _vm(proc.pid, "VmRSS")
+        code = Path(__file__).read_text()
+        ids = ctx.tokenizer.encode(code)
+        results: list = [None] * a.serve_clients
+
+        def client(i: int) -> None:
+            text = ctx.tokenizer.decode(ids[i * 7: i * 7 + a.serve_prompt_tokens])
+            body = {"messages": [{"role": "user", "content": f"Review this code:\n{text}"}],
+                    "max_tokens": 16, "temperature": 0}
+            results[i] = httpx.post(url + "/v1/chat/completions", json=body, timeout=3600).json()
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(a.serve_clients)]
+        secs, _ = _timed(lambda: ([t.start() for t in threads], [t.join() for t in threads]))
+        health = httpx.get(url + "/health", timeout=10).json()
+        ok = [r for r in results if r and "choices" in r]
+        return {"dtype": dtype or "auto", "clients": a.serve_clients,
+                "prompt_tokens": [r["usage"]["prompt_tokens"] for r in ok][:3],
+                "completed": len(ok), "seconds": round(secs, 1),
+                "rss_idle_gb": round(idle / 2**30, 3), "peak_rss_gb": round(_vm(proc.pid, "VmHWM") / 2**30, 3),
+                "kv_blocks_used_after": health.get("kv_blocks_used"), "target_gb": 2.0}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+# -- main ------------------------------------------------------------------------------------
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default=None)
-    parser.add_argument("--agents", type=int, default=4, help="prefix-cache workload: concurrent agents (0: skip)")
-    parser.add_argument("--turns", type=int, default=3, help="prefix-cache workload: turns per agent")
-    parser.add_argument("--turn-tokens", type=int, default=32, help="prefix-cache workload: tokens per reply")
+    parser.add_argument("--rows", default=",".join(ROWS), help="throughput rows to run")
+    parser.add_argument("--agents", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--turn-tokens", type=int, default=32)
+    parser.add_argument("--serve-clients", type=int, default=16)
+    parser.add_argument("--serve-prompt-tokens", type=int, default=3000)
+    parser.add_argument("--skip", default="", help="comma list of: agent, weights, serve")
     args = parser.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",")]
+    skip = set(filter(None, args.skip.split(",")))
 
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoTokenizer
 
-    from atelier.inference.engine import LocalEngine
+    from atelier.inference.engine import pick_dtype
 
     torch.set_num_threads(args.threads)
+    default = str(pick_dtype(args.device, None)).removeprefix("torch.")
+    load = os.getloadavg()
+    report: dict = {"benchmark": "inference", "model": args.model, "device": args.device,
+                    "default_dtype": default, "torch_threads": args.threads, "new_tokens": args.new_tokens,
+                    "batches": args.batches, "machine": platform.machine(), "cpus": os.cpu_count(),
+                    "load_avg_at_start": [round(x, 1) for x in load]}
     with tempfile.TemporaryDirectory() as workdir:
         path = _model_dir(args.model, workdir)
-        engine = LocalEngine(path, device=args.device, dtype=args.dtype, max_batch=max(args.concurrency, 1))
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=engine.dtype).to(engine.device).eval()
-        tokenizer = engine.tokenizer
-        n = args.concurrency
-        prompts = _prompts(tokenizer, n)
-        k = args.new_tokens
-        # Warm-up both paths (allocator, kernels, lazy imports) before timing.
-        _engine_run(engine, prompts[:2], 4)
-        _hf_generate(hf, tokenizer, prompts[:1], 4, engine.device)
-
-        results: dict[str, dict[str, float]] = {}
-        secs, toks = _timed(lambda: sum(_hf_generate(hf, tokenizer, [p], k, engine.device) for p in prompts[:1]))
-        results["hf_1"] = {"seconds": secs, "tokens": toks}
-        engine.clear_prefix_cache()
-        secs, toks = _timed(lambda: _engine_run(engine, prompts[:1], k))
-        results["engine_1"] = {"seconds": secs, "tokens": toks}
-        secs, toks = _timed(lambda: _hf_generate(hf, tokenizer, prompts, k, engine.device))
-        results[f"hf_batched_{n}"] = {"seconds": secs, "tokens": toks}
-        secs, toks = _timed(lambda: _hf_concurrent(hf, tokenizer, prompts, k, engine.device))
-        results[f"hf_concurrent_{n}"] = {"seconds": secs, "tokens": toks}
-        engine.clear_prefix_cache()
-        secs, toks = _timed(lambda: _engine_run(engine, prompts, k))
-        results[f"engine_{n}"] = {"seconds": secs, "tokens": toks}
-        engine.close()
-        prefix = _prefix_cache_figure(path, args, engine.dtype) if args.agents > 0 else None
-
-    for r in results.values():
-        r["tokens_per_s"] = round(r["tokens"] / r["seconds"], 2)
-        r["seconds"] = round(r["seconds"], 3)
-    tps = {name: r["tokens_per_s"] for name, r in results.items()}
-    print(json.dumps({
-        "benchmark": "inference_throughput",
-        "model": args.model, "device": args.device, "dtype": str(engine.dtype).replace("torch.", ""),
-        "torch_threads": args.threads, "new_tokens": k, "concurrency": n,
-        "prompt_tokens": [len(p) for p in prompts],
-        "machine": platform.machine(),
-        "results": results,
-        "ratio_at_1": round(tps["engine_1"] / tps["hf_1"], 2),
-        f"ratio_at_{n}": round(tps[f"engine_{n}"] / tps[f"hf_concurrent_{n}"], 2),
-        f"ratio_at_{n}_vs_hf_batched": round(tps[f"engine_{n}"] / tps[f"hf_batched_{n}"], 2),
-        "target": f"engine >= 2x transformers generate at {n} concurrent sequences",
-        "prefix_cache": prefix,
-    }))
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        n = max(args.batches)
+        ctx = Context(path, args, [_chat_ids(tokenizer, PROMPTS[i % len(PROMPTS)] + f" (#{i})") for i in range(n)],
+                      tokenizer)
+        report["prompt_tokens"] = [len(p) for p in ctx.prompts[:16]]
+        report["rows"] = {name: ROWS[name](ctx) for name in args.rows.split(",") if name}
+        rows = report["rows"]
+        ours, hf = rows.get(f"builtin_{'bf16' if default == 'bfloat16' else 'fp32'}"), \
+            [r for k, r in rows.items() if k.startswith("transformers")]
+        if ours and hf and "16" in ours:
+            best = max(r["16"]["tokens_per_s"] for r in hf)
+            report["ratio_default_vs_hf_best_at_16"] = round(ours["16"]["tokens_per_s"] / best, 2)
+            report["target"] = "the recipes' default engine >= 1.8x transformers' padded batch at 16"
+        if "agent" not in skip and args.agents > 0:
+            runs, replies = [], {}
+            for dtype, cache in ((default, False), (default, True),
+                                 ("float32" if default == "bfloat16" else "bfloat16", True)):
+                result, replies[(dtype, cache)] = agent_workload(ctx, dtype, cache)
+                runs.append(result)
+            report["agent"] = {"agents": args.agents, "turns": args.turns, "turn_tokens": args.turn_tokens,
+                               "runs": runs,
+                               "identical_with_and_without_cache": replies[(default, True)] == replies[(default, False)],
+                               "cache_speedup": round(runs[0]["seconds"] / runs[1]["seconds"], 2)}
+        if "weights" not in skip:
+            report["weight_update"] = [weight_update(ctx, d) for d in ("float32", "bfloat16")]
+        if "serve" not in skip:
+            report["serve_memory"] = serve_memory(ctx, None)
+    report["load_avg_at_end"] = [round(x, 1) for x in os.getloadavg()]
+    print(json.dumps(report))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, model_validator
 
 from atelier.config import AtelierConfig
-from atelier.inference.models import DEFAULT_PREFIX_CACHE_TOKENS
+from atelier.inference.models import DEFAULT_KV_CACHE_TOKENS, DEFAULT_PREFIX_CACHE_TOKENS
 from atelier.rl.shaping import ShapingConfig
 
 
@@ -29,6 +29,12 @@ class RolloutConfig(AtelierConfig):
     """Rollouts running at once (threads in one process, or Ray actors)."""
     prefix_cache_tokens: int = Field(DEFAULT_PREFIX_CACHE_TOKENS, ge=0)
     """The local engine's prefix-cache budget: earlier turns' keys and values kept for reuse (0: off)."""
+    kv_cache_tokens: int = Field(DEFAULT_KV_CACHE_TOKENS, ge=64)
+    """The local engine's whole KV memory in token positions; rollouts wait when it is full."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """The local engine's precision. auto: bf16 on GPUs and on CPUs with AMX or AVX512-BF16, else
+    fp32. The sampler's logprobs are those of the distribution it sampled from; the trainer
+    recomputes its own, and the importance weights absorb the difference."""
     max_tokens: int = Field(64, ge=1)
     """Tokens per model turn."""
     temperature: float = Field(1.0, gt=0)

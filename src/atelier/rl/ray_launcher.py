@@ -47,14 +47,16 @@ class RayLaunchError(AtelierError):
 
 @ray.remote(num_cpus=0, max_restarts=2)
 class InferenceActor:
-    def __init__(self, model_path: str, version: int, max_batch: int, prefix_cache_tokens: int) -> None:
+    def __init__(self, model_path: str, version: int, max_batch: int, prefix_cache_tokens: int,
+                 dtype: str = "auto", kv_cache_tokens: int | None = None) -> None:
         import torch
 
         from atelier.inference.engine import LocalEngine
 
         torch.set_num_threads(1)
+        extra = {} if kv_cache_tokens is None else {"kv_cache_tokens": kv_cache_tokens}
         self.engine = LocalEngine(model_path, version=version, max_batch=max_batch,
-                                  prefix_cache_tokens=prefix_cache_tokens)
+                                  prefix_cache_tokens=prefix_cache_tokens, dtype=dtype, **extra)
         self.chain = None
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
@@ -122,7 +124,8 @@ class RayBackend:
         self.chain_root, self.reader = chain_root, reader
         self._version = version
         self.inference = InferenceActor.options(max_concurrency=workers + 4).remote(
-            str(model_path), version, max(8, workers), config.rollout.prefix_cache_tokens)
+            str(model_path), version, max(8, workers), config.rollout.prefix_cache_tokens,
+            config.rollout.dtype, config.rollout.kv_cache_tokens)
         n = max(1, min(actors, workers))
         per_actor = -(-workers // n)
         self.actors = [RolloutActor.options(max_concurrency=per_actor).remote(

@@ -99,7 +99,8 @@ def make_backend(config: TrainConfig, env, model_path: Path, version: int, reade
     from atelier.rl.backends import LocalBackend
 
     engine = LocalEngine(model_path, version=version, max_batch=max(8, config.rollout.workers),
-                         prefix_cache_tokens=config.rollout.prefix_cache_tokens)
+                         prefix_cache_tokens=config.rollout.prefix_cache_tokens, dtype=config.rollout.dtype,
+                         kv_cache_tokens=config.rollout.kv_cache_tokens)
     return LocalBackend(env, engine, reader, config.rollout.workers)
 
 
