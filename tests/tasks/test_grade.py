@@ -89,6 +89,13 @@ def test_exit_zero_before_tests_is_tampered(task, env_cache: Path, h) -> None:
     assert any("process exit" in s for s in r.tamper_suspect)
 
 
+def test_a_patch_that_breaks_the_import_is_wrong_not_tampered(task, env_cache: Path, h) -> None:
+    patch = h.make_patch({"calc/ops.py": (h.OPS, h.OPS.replace("def add(a, b):", "def add(a, b)"))})
+    r = run(task, patch, env_cache)
+    assert r.reward == 0.0 and not r.tampered and not r.infra_error, (r.error, r.tamper)
+    assert r.exit_code in (2, 4) and r.error  # a collection error, or its targets "not found"
+
+
 def test_patch_that_does_not_apply(task, env_cache: Path) -> None:
     r = run(task, task.gold_patch.replace("return a - b", "return a * b"), env_cache)
     assert r.reward == 0.0 and "does not apply" in r.error

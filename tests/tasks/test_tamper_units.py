@@ -75,6 +75,19 @@ def test_exit_code_and_records_after_the_end() -> None:
     assert verdict(partial, process_exit=None, canaries=CANARIES).tamper == []
 
 
+def test_a_run_that_never_ran_tests_is_wrong_not_tampered() -> None:
+    broken = [{"k": "start", "shadowed": []}, {"k": "collect", "id": "tests/test_x.py", "outcome": "failed"},
+              {"k": "finish", "exitstatus": 2}, {"k": "end", "code": 2}]
+    v = judge(stream_bytes(*broken), 2)
+    assert v.tamper == [] and v.exit_code == 2
+    r = score(["tests/test_x.py::test_a"], [], v.results, v.exit_code)
+    assert r.reward == 0.0 and not r.tampered and "collection error" in r.error
+    usage = [{"k": "start", "shadowed": []}, {"k": "end", "code": 4}]  # bad addopts: no session
+    assert judge(stream_bytes(*usage), 4).tamper == []
+    unfinished = [{"k": "start", "shadowed": []}, *canary_reports(), {"k": "end", "code": 1}]
+    assert any("without finishing" in t for t in judge(stream_bytes(*unfinished)).tamper)
+
+
 def test_canaries_integrity_hooks_and_raised_passes() -> None:
     allpass = [r if r["k"] != "report" else {**r, "outcome": "passed", "when": "call"} for r in honest()]
     assert sum("canary" in t for t in judge(stream_bytes(*allpass)).tamper) == 3

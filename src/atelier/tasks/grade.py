@@ -173,7 +173,8 @@ def score(fail_to_pass: Iterable[str], pass_to_pass: Iterable[str],
         return result(f"the test run left no results (exit {exit_code}): "
                       "the suite did not run to the end, so nothing counts as passed")
     if not results:
-        return result(f"the results list zero tests (exit {exit_code})")
+        why = f": {EXIT_MEANING[exit_code]}" if exit_code in EXIT_MEANING else ""
+        return result(f"the results list zero tests (exit {exit_code}{why})")
     missing = [n for n in [*f2p, *p2p] if n not in results]
     if missing:
         return result(f"{len(missing)} target test(s) missing from the results: "
@@ -289,6 +290,9 @@ def grade_in(sb: Sandbox, task: Task, patch: str, python: str | None, *,
     run = sb.exec(argv, timeout=timeout, env={"PYTHONDONTWRITEBYTECODE": "1"}, stdin=stdin,
                   on_output=collect)
     tail = run.stderr[-4000:]
+    if not chunks and run.exit_code in (126, 127):  # the shell's "cannot run" / "not found"
+        return score(f2p, p2p, None, run.exit_code, timeout_s=timeout, log_tail=tail, suspect=suspect,
+                     error=f"could not start the test command {argv[0]} (exit {run.exit_code})")
     stream = read_stream(b"".join(chunks), nonce, complete=not run.timed_out)
     if size[0] > STREAM_LIMIT:
         stream.problems.append(f"the result stream passed {STREAM_LIMIT} bytes: flooded")
