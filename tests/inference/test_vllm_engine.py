@@ -1,0 +1,272 @@
+"""The vLLM backend against real vLLM (its CPU build), one server for the whole module.
+
+Oracles: the built-in engine and transformers for greedy tokens; the
+trainer's own fp32 recompute (`atelier.rl.trainer.token_logprobs`) for
+logprobs, at the sampling temperature; a freshly started vLLM for weights
+pushed into a running one (the restart after `kill -9` starts the server
+from the pushed weights, so it is that fresh vLLM). The pure parts (fused
+groups, the fence's ordering) are tested without a server.
+
+The server is the session fixture `vllm_engine` (tests/conftest.py); it skips, saying
+why, only when the vLLM environment is absent (`make vllm-env`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from atelier.inference.types import SamplingParams
+from atelier.inference.vllm_engine import (EngineUnavailable, VLLMEngineError, _Fence, fused_group,
+                                           whole_groups)
+
+from tests.conftest import VLLM_TEST_CHUNK as CHUNK
+
+# The first test to use the session's server waits for it to start (minutes on a loaded machine).
+pytestmark = pytest.mark.timeout(900)
+NO_STOP = (0,)  # stop only on <|endoftext|>, which a random model rarely samples
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, stop_token_ids=NO_STOP)
+
+
+# -- pure parts -----------------------------------------------------------------------
+def test_fused_groups_are_whole():
+    names = {f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkvo"} | {
+        f"model.layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")} | {
+        "model.layers.0.self_attn.q_proj.bias", "model.embed_tokens.weight"}
+    assert fused_group("model.layers.0.self_attn.k_proj.weight") == "model.layers.0.self_attn.qkv_proj"
+    assert whole_groups({"model.layers.0.self_attn.k_proj.weight"}, names) == {
+        "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.q_proj.bias"}
+    assert whole_groups({"model.layers.0.mlp.up_proj.weight"}, names) == {
+        "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"}
+    assert whole_groups({"model.embed_tokens.weight"}, names) == {"model.embed_tokens.weight"}
+
+
+def test_fence_update_waits_for_running_chunks_and_blocks_new_ones():
+    fence, log = _Fence(0), []
+    entered, release = threading.Event(), threading.Event()
+
+    def chunk(tag):
+        with fence.shared() as version:
+            log.append((tag, "start", version))
+            entered.set()
+            release.wait(5) if tag == "a" else None
+            log.append((tag, "end", version))
+
+    def update():
+        with fence.exclusive():
+            log.append(("update", "start", fence.version))
+            fence.version = 1
+            log.append(("update", "end", 1))
+
+    a = threading.Thread(target=chunk, args=("a",))
+    a.start()
+    entered.wait(5)
+    u = threading.Thread(target=update)
+    u.start()
+    while fence._writers == 0:
+        time.sleep(0.001)
+    b = threading.Thread(target=chunk, args=("b",))  # arrives while the update waits
+    b.start()
+    time.sleep(0.05)
+    assert [e[:2] for e in log] == [("a", "start")]  # neither the update nor b ran yet
+    release.set()
+    for t in (a, u, b):
+        t.join(5)
+    assert log == [("a", "start", 0), ("a", "end", 0), ("update", "start", 0), ("update", "end", 1),
+                   ("b", "start", 1), ("b", "end", 1)]
+
+
+# -- against a real vLLM server --------------------------------------------------------
+@pytest.fixture(scope="module")
+def hf_model(vllm_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32).eval()
+
+
+def recompute(model, prompt: list[int], tokens: list[int], temperature: float) -> list[float]:
+    """The trainer's logprobs of `tokens` after `prompt` (fp32, at `temperature`)."""
+    from atelier.rl.trainer import token_logprobs
+
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, ids, torch.ones_like(ids), temperature)
+    return logp[0, len(prompt):].tolist()
+
+
+def perturbed(model, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
+    """New weights for every parameter; a tied head keeps pointing at the new embedding."""
+    g = torch.Generator().manual_seed(seed)
+    new = {k: v + scale * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings and "lm_head.weight" in new:
+        new["lm_head.weight"] = new["model.embed_tokens.weight"]
+    return new
+
+
+def prompts(tokenizer) -> list[list[int]]:
+    return [tokenizer.encode(t) for t in ("def parse(line):\n    ", "import json\n\nclass Decoder", "x = [")]
+
+
+def test_greedy_tokens_equal_builtin_engine_and_transformers(vllm_engine, vllm_model_dir, hf_model):
+    from atelier.inference.engine import LocalEngine
+
+    with LocalEngine(vllm_model_dir) as builtin:
+        for prompt in prompts(vllm_engine.tokenizer):
+            got = vllm_engine.generate(prompt, greedy(3 * CHUNK + 3))  # crosses chunk boundaries
+            want = builtin.generate(prompt, greedy(3 * CHUNK + 3)).token_ids
+            ids = torch.tensor([prompt])
+            hf = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3 * CHUNK + 3,
+                                   do_sample=False, eos_token_id=0, pad_token_id=0)[0, len(prompt):].tolist()
+            assert got.token_ids == want == hf
+            assert got.versions == [0] * len(got.token_ids)
+            assert len(set(got.token_ids)) > 3  # a real check, not one repeated token
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_logprobs_match_the_trainer_at_the_temperature(vllm_engine, hf_model, temperature):
+    prompt = prompts(vllm_engine.tokenizer)[0]
+    got = vllm_engine.generate(prompt, SamplingParams(max_tokens=40, temperature=temperature, seed=3,
+                                                      stop_token_ids=NO_STOP))
+    assert len(got.token_ids) == 40
+    want = recompute(hf_model, prompt, got.token_ids, temperature)
+    assert max(abs(a - b) for a, b in zip(got.logprobs, want)) < 1e-4
+    if temperature != 1.0:  # the untempered logprobs differ: the check above can tell them apart
+        untempered = recompute(hf_model, prompt, got.token_ids, 1.0)
+        assert max(abs(a - b) for a, b in zip(got.logprobs, untempered)) > 1e-2
+
+
+def test_seeded_sampling_reproduces_across_chunks(vllm_engine):
+    prompt = prompts(vllm_engine.tokenizer)[1]
+    params = SamplingParams(max_tokens=3 * CHUNK, temperature=1.0, seed=11, stop_token_ids=NO_STOP)
+    first, second = vllm_engine.generate(prompt, params), vllm_engine.generate(prompt, params)
+    assert first.token_ids == second.token_ids
+    other = vllm_engine.generate(prompt, SamplingParams(max_tokens=3 * CHUNK, seed=12, stop_token_ids=NO_STOP))
+    assert other.token_ids != first.token_ids
+
+
+def test_stop_strings_and_bad_input(vllm_engine):
+    prompt = prompts(vllm_engine.tokenizer)[2]
+    full = vllm_engine.generate(prompt, greedy(3 * CHUNK))
+    text_at = vllm_engine.tokenizer.decode(full.token_ids[:CHUNK + 2], skip_special_tokens=False)
+    stop = text_at[-3:]  # completes at or before token CHUNK+1: spans the first chunk boundary or not
+    got = vllm_engine.generate(prompt, SamplingParams(max_tokens=3 * CHUNK, temperature=0.0, stop=(stop,),
+                                                      stop_token_ids=NO_STOP))
+    assert got.finish_reason == "stop"
+    assert got.token_ids == full.token_ids[:len(got.token_ids)]
+    assert stop in vllm_engine.tokenizer.decode(got.token_ids, skip_special_tokens=False)
+    assert stop not in vllm_engine.tokenizer.decode(got.token_ids[:-1], skip_special_tokens=False)
+    with pytest.raises(VLLMEngineError):
+        vllm_engine.generate([vllm_engine.vocab_size + 5], greedy(2))
+    with pytest.raises(VLLMEngineError):
+        vllm_engine.update_weights({"model.nope.weight": torch.zeros(2)}, 99)
+    assert vllm_engine.version == 0
+
+
+def test_in_flight_update_stamps_early_tokens_old_and_later_tokens_new(vllm_engine, hf_model):
+    """The race: an update requested while a rollout streams lands between two chunks."""
+    old = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    new = perturbed(hf_model, seed=1)
+    prompt = prompts(vllm_engine.tokenizer)[0]
+    version = vllm_engine.version + 1
+    result = {}
+    chunks_before = vllm_engine.stats["chunks"]
+    rollout = threading.Thread(target=lambda: result.setdefault(
+        "g", vllm_engine.generate(prompt, SamplingParams(max_tokens=12 * CHUNK, temperature=1.0, seed=5,
+                                                         stop_token_ids=NO_STOP))))
+    rollout.start()
+    while vllm_engine.stats["chunks"] < chunks_before + 2:  # two chunks done, the third running
+        time.sleep(0.001)
+    vllm_engine.update_weights(new, version)
+    rollout.join(120)
+    g = result["g"]
+    switch = g.versions.index(version)
+    assert 2 * CHUNK <= switch < len(g.token_ids), g.versions
+    assert switch % CHUNK == 0  # only at a chunk boundary
+    assert g.versions == [version - 1] * switch + [version] * (len(g.token_ids) - switch)
+    hf_model.load_state_dict(old)
+    before = recompute(hf_model, prompt, g.token_ids, 1.0)[:switch]
+    hf_model.load_state_dict(new)
+    after = recompute(hf_model, prompt, g.token_ids, 1.0)[switch:]
+    assert max(abs(a - b) for a, b in zip(g.logprobs, before + after)) < 1e-4
+    # And after `update_weights` returned, everything is the new version.
+    later = vllm_engine.generate(prompt, greedy(CHUNK))
+    assert later.versions == [version] * CHUNK
+    hf_model.load_state_dict(old)
+
+
+def test_no_prefix_cache_hit_crosses_an_update(vllm_engine, hf_model):
+    tok = vllm_engine.tokenizer
+    long_prompt = tok.encode("def decode(self, s, _w=WHITESPACE.match):\n" * 12)[:160]
+    vllm_engine.generate(long_prompt, greedy(1))
+    cached = vllm_engine.stats["cached_prompt_tokens"]
+    vllm_engine.generate(long_prompt, greedy(1))
+    assert vllm_engine.stats["cached_prompt_tokens"] - cached >= 128  # the cache works...
+    new = perturbed(hf_model, seed=2)
+    vllm_engine.update_weights(new, vllm_engine.version + 1)
+    cached = vllm_engine.stats["cached_prompt_tokens"]
+    got = vllm_engine.generate(long_prompt, greedy(1))
+    assert vllm_engine.stats["cached_prompt_tokens"] == cached  # ...and nothing survived the update
+    hf_model.load_state_dict(new)
+    assert abs(got.logprobs[0] - recompute(hf_model, long_prompt, got.token_ids, 1.0)[0]) < 1e-4
+
+
+@pytest.mark.slow  # a second server start: minutes here; the default run checks updates against the trainer
+def test_updated_server_equals_a_fresh_one_and_survives_kill_9(vllm_engine, hf_model):
+    """Push weights (tied head), then kill -9 the server: the restarted server starts fresh from
+    the pushed weights, and must give the same logprobs as the updated one did."""
+    new = perturbed(hf_model, seed=3, scale=0.1)
+    version = vllm_engine.version + 1
+    vllm_engine.update_weights(new, version)
+    prompt = prompts(vllm_engine.tokenizer)[1]
+    params = SamplingParams(max_tokens=2 * CHUNK, temperature=0.7, seed=9, stop_token_ids=NO_STOP)
+    updated = vllm_engine.generate(prompt, params)
+    hf_model.load_state_dict(new)
+    assert max(abs(a - b) for a, b in zip(updated.logprobs,
+                                          recompute(hf_model, prompt, updated.token_ids, 0.7))) < 1e-4
+
+    os.kill(vllm_engine.server.pid, signal.SIGKILL)
+    restarts = vllm_engine.stats["restarts"]
+    try:  # the request that meets the dead server is an infrastructure failure (retried)...
+        fresh = vllm_engine.generate(prompt, params)
+    except EngineUnavailable:
+        fresh = vllm_engine.generate(prompt, params)  # ...and the next one runs on the restarted server
+    assert vllm_engine.stats["restarts"] == restarts + 1
+    assert vllm_engine.version == version
+    assert fresh.token_ids == updated.token_ids
+    assert max(abs(a - b) for a, b in zip(fresh.logprobs, updated.logprobs)) < 1e-5
+
+
+# -- selected by config ------------------------------------------------------------------
+def test_engine_option_is_typed_and_reaches_open_model(vllm_engine, vllm_model_dir):
+    """`--engine vllm --vllm KEY=VALUE` (eval, agent) and `[inference]` (train, run) build the same
+    `InferenceConfig`; here it connects to the session's server by URL instead of starting one."""
+    from atelier.config import ConfigError
+    from atelier.eval.models import open_eval_model
+    from atelier.harness.deploy import open_agent_model
+    from atelier.inference.models import inference_config
+    from atelier.inference.types import TokenModel, owning
+    from atelier.inference.vllm_engine import VLLMEngine
+    from atelier.rl.config import TrainConfig
+
+    with pytest.raises(ConfigError, match="tensor_parallel"):
+        inference_config("vllm", ["tensor_paralel_size=2"])
+    assert TrainConfig.model_validate({"inference": {"engine": "vllm", "vllm": {"chunk_tokens": 4}}}
+                                      ).inference.vllm.chunk_tokens == 4
+    cfg = inference_config("vllm", [f"url={vllm_engine.base_url}"])
+    prompt = prompts(vllm_engine.tokenizer)[0]
+    want = vllm_engine.generate(prompt, greedy(CHUNK)).token_ids
+    for model in (open_eval_model(str(vllm_model_dir), inference=cfg),
+                  open_agent_model(str(vllm_model_dir), None, None, cfg)):
+        with owning(model):
+            assert isinstance(model, VLLMEngine) and isinstance(model, TokenModel)
+            assert model.server is None  # connected, not started
+            assert model.generate(prompt, greedy(CHUNK)).token_ids == want
