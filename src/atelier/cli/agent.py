@@ -13,7 +13,7 @@ from typing import List, Optional
 
 import typer
 
-from atelier.cli.options import Backend
+from atelier.cli.options import ENGINE_HELP, VLLM_HELP, Backend, Engine
 
 
 def agent(
@@ -32,6 +32,8 @@ def agent(
     overrides: List[str] = typer.Option([], "--set", help="Override an agent option, e.g. --set "
                                         "sampling.temperature=0.2 (repeatable)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY", help="Key for a URL model."),
+    engine: Engine = typer.Option(Engine.builtin, "--engine", help=ENGINE_HELP),
+    vllm_sets: List[str] = typer.Option([], "--vllm", help=VLLM_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the diff and the result line."),
 ) -> None:
     """Run the agent on DIR for TASK, showing each tool call; print the final diff.
@@ -43,7 +45,8 @@ def agent(
     code = run_agent_command(task=task, model=model, repo=repo, apply=apply,
                              out=out or Path(f"atelier-agent-{time.strftime('%Y%m%d-%H%M%S')}.json"),
                              max_turns=max_turns, backend=backend.value, script=script, recipe=recipe,
-                             overrides=overrides, api_key=api_key, quiet=quiet)
+                             overrides=overrides, api_key=api_key, quiet=quiet,
+                             engine=engine.value, vllm_sets=vllm_sets)
     raise typer.Exit(code)
 
 

@@ -11,7 +11,7 @@ from typing import List, Optional
 
 import typer
 
-from atelier.cli.options import Backend
+from atelier.cli.options import ENGINE_HELP, VLLM_HELP, Backend, Engine
 
 
 def eval_cmd(
@@ -34,6 +34,8 @@ def eval_cmd(
     served_model: Optional[str] = typer.Option(None, "--served-model",
                                                help="Model name to request from an http(s) server "
                                                     "(default: the first it lists)."),
+    engine: Engine = typer.Option(Engine.builtin, "--engine", help=ENGINE_HELP),
+    vllm_sets: List[str] = typer.Option([], "--vllm", help=VLLM_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the metrics as one JSON object only."),
 ) -> None:
     """Evaluate MODEL on TASKS: sandbox per attempt, agent loop, hidden-test grading.
@@ -45,6 +47,7 @@ def eval_cmd(
     from atelier.eval.runner import EvalConfig, run_eval
     from atelier.eval.tasks import load_tasks
     from atelier.harness.config import AgentConfig
+    from atelier.inference.models import inference_config
     from atelier.inference.types import owning
 
     sets = list(overrides)
@@ -55,7 +58,8 @@ def eval_cmd(
     agent_config = load_config(AgentConfig, agent_recipe, sets)
     table = load_prices(prices)
     task_list = load_tasks(tasks, split)
-    policy = open_eval_model(model, api_key=api_key, served_model=served_model)
+    policy = open_eval_model(model, api_key=api_key, served_model=served_model,
+                             inference=inference_config(engine.value, vllm_sets))
     config = EvalConfig(passes=passes, concurrency=concurrency, backend=backend.value)
 
     if not as_json:

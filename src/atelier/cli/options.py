@@ -10,3 +10,14 @@ class Backend(str, enum.Enum):
 
     bwrap = "bwrap"
     local = "local"
+
+
+class Engine(str, enum.Enum):
+    """Which engine samples from a local model: atelier's own, or a vLLM server."""
+
+    builtin = "builtin"
+    vllm = "vllm"
+
+
+ENGINE_HELP = "builtin (atelier's engine) or vllm (a vLLM server from `make vllm-env`)."
+VLLM_HELP = "A vLLM option, e.g. --vllm tensor_parallel_size=2 or --vllm url=http://host:8000 (repeatable)."

@@ -51,9 +51,11 @@ def empty_texts(task: Task) -> list[str]:
     return [format_call("submit", {"message": "No change."})]
 
 
-def open_eval_model(spec: str, *, api_key: str | None = None, served_model: str | None = None) -> Any:
+def open_eval_model(spec: str, *, api_key: str | None = None, served_model: str | None = None,
+                    inference: Any = None) -> Any:
     """What `--model SPEC` names (see the module docstring); `api_key` and
-    `served_model` go to an http(s) server."""
+    `served_model` go to an http(s) server, `inference` (an `InferenceConfig`)
+    picks the engine of a local model."""
     if not spec:
         raise EvalError("--model is empty", hint="pass a model directory, a name such as smollm2-135m, "
                                                  "a server URL, or scripted:gold")
@@ -74,4 +76,4 @@ def open_eval_model(spec: str, *, api_key: str | None = None, served_model: str 
 
     if is_url(spec):
         return open_model(spec, api_key=api_key, model=served_model)
-    return open_model(spec)
+    return open_model(spec, inference=inference)

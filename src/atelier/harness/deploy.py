@@ -28,7 +28,8 @@ class ApplyError(AtelierError):
     """The final diff could not be applied to the repository."""
 
 
-def open_agent_model(model: str | None, script: Path | None, api_key: str | None = None) -> Any:
+def open_agent_model(model: str | None, script: Path | None, api_key: str | None = None,
+                     inference: Any = None) -> Any:
     if script is not None:
         from atelier.inference.scripted import ScriptedModel, load_script
 
@@ -45,7 +46,9 @@ def open_agent_model(model: str | None, script: Path | None, api_key: str | None
                            "or --script FILE to replay canned turns")
     from atelier.inference.models import is_url, open_model
 
-    return open_model(model, api_key=api_key) if is_url(model) and api_key else open_model(model)
+    if is_url(model):
+        return open_model(model, api_key=api_key) if api_key else open_model(model)
+    return open_model(model, inference=inference)
 
 
 def apply_diff(repo: Path, diff: str) -> None:
@@ -106,7 +109,8 @@ def _short(value: Any, limit: int = 60) -> str:
 
 def run_agent_command(*, task: str, model: str | None, repo: Path, apply: bool, out: Path, max_turns: int | None,
                       backend: str, script: Path | None, recipe: Path | None, overrides: list[str],
-                      api_key: str | None, quiet: bool) -> int:
+                      api_key: str | None, quiet: bool, engine: str = "builtin",
+                      vllm_sets: list[str] | tuple[str, ...] = ()) -> int:
     from rich.console import Console
     from rich.syntax import Syntax
 
@@ -122,7 +126,9 @@ def run_agent_command(*, task: str, model: str | None, repo: Path, apply: bool, 
     extra = [f"max_turns={max_turns}"] if max_turns is not None else []
     config = load_config(AgentConfig, recipe, [*overrides, *extra])
     console = Console(stderr=True)
-    with owning(open_agent_model(model, script, api_key)) as policy:
+    from atelier.inference.models import inference_config
+
+    with owning(open_agent_model(model, script, api_key, inference_config(engine, vllm_sets))) as policy:
         traj = run_in_sandbox(policy, repo, task, SandboxConfig(backend=backend), task_id=repo.resolve().name,
                               agent_cfg=config, on_event=LiveView(console, quiet))
     traj.save(out)

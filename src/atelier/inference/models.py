@@ -10,8 +10,12 @@ never touches the network:
 - `owner/name` is looked up in the local Hugging Face hub cache only.
 
 Anything else raises `ModelNotFound`, whose hint says how to get the model.
-`open_model(spec)` returns something to generate with: a client for an
-`http(s)://` URL, otherwise a `LocalEngine` over the resolved directory.
+`open_model(spec, inference=InferenceConfig(...))` returns something to
+generate with: a client for an `http(s)://` URL, otherwise the engine the
+`InferenceConfig` selects (the built-in `LocalEngine`, or a `VLLMEngine`)
+over the resolved directory. Every command that runs a model selects its
+engine this way (`atelier train`/`run` from the recipe's `[inference]`,
+`atelier eval`/`agent` from `--engine`).
 """
 
 from __future__ import annotations
@@ -19,9 +23,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import Field
+
+from atelier.config import AtelierConfig
 from atelier.errors import AtelierError
+from atelier.inference.vllm_server import VLLMConfig
 
 COMPLETE_MARKER = ".atelier-complete"
 
@@ -57,6 +65,22 @@ DEFAULT_PREFIX_CACHE_TOKENS = 16384
 # The local engine's whole KV memory in token positions (see `atelier.inference.engine`): 0.75 GB
 # for SmolLM2-135M in bf16, 1.5 GB in fp32.
 DEFAULT_KV_CACHE_TOKENS = 32768
+
+
+class InferenceConfig(AtelierConfig):
+    """Which engine samples from a model."""
+
+    engine: Literal["builtin", "vllm"] = "builtin"
+    """builtin: atelier's own engine (no extra dependencies; the laptop default). vllm: a vLLM
+    server (what GPU users run), from the environment `make vllm-env` builds (see [inference.vllm])."""
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+
+
+def inference_config(engine: str, vllm_sets: list[str] | tuple[str, ...] = ()) -> InferenceConfig:
+    """The `InferenceConfig` of the CLI's `--engine E --vllm KEY=VALUE ...` (typos fail like recipe keys)."""
+    from atelier.config import load_config
+
+    return load_config(InferenceConfig, None, [f"engine={engine}", *(f"vllm.{s}" for s in vllm_sets)])
 
 
 def atelier_cache_root() -> Path:
@@ -114,16 +138,19 @@ TINY_MOE = "tiny-moe"
 """The model spec that builds a tiny random model (tests, smoke runs) instead of resolving one."""
 
 
-def resolve_or_build_tiny(spec: str | Path, run_dir: Path, *, seed: int = 0) -> Path:
+def resolve_or_build_tiny(spec: str | Path, run_dir: Path, *, seed: int = 0, for_vllm: bool = False) -> Path:
     """`resolve_model(spec)`, except that `tiny` (or `tiny-moe`, a mixture of experts) builds a
-    tiny random model once into `run_dir/base-model` (and reuses it on resume). The one place a
-    run (`atelier train`, `atelier run`) turns its `model` field into a directory."""
+    tiny random model once into `run_dir/base-model` (and reuses it on resume); `for_vllm`: with
+    a head size vLLM's CPU build runs. The one place a run (`atelier train`, `atelier run`) turns
+    its `model` field into a directory."""
     if str(spec) not in (TINY, TINY_MOE):
         return resolve_model(spec)
-    from atelier.inference.tiny import build_tiny_model
+    from atelier.inference.tiny import VLLM_SHAPE, build_tiny_model
 
     target = run_dir / "base-model"
-    return target if is_model_dir(target) else build_tiny_model(target, seed=seed, moe=str(spec) == TINY_MOE)
+    if is_model_dir(target):
+        return target
+    return build_tiny_model(target, seed=seed, moe=str(spec) == TINY_MOE, **(VLLM_SHAPE if for_vllm else {}))
 
 
 def _hub_cache_lookup(repo_id: str) -> Path | None:
@@ -140,20 +167,28 @@ def is_url(spec: str | Path) -> bool:
     return str(spec).startswith(("http://", "https://"))
 
 
-def open_model(spec: str | Path, **kwargs: Any):
+def open_model(spec: str | Path, *, inference: InferenceConfig | None = None, **kwargs: Any):
     """A `TokenModel` (or a `ChatModel`) for `spec`.
 
     - `http(s)://…`: `atelier.inference.client.connect(url, **kwargs)` — a
       `GenerateClient` when the server speaks `/v1/generate` (ours), else an
       `OpenAIChatModel` (any OpenAI-compatible server; kwargs `api_key`, `model`).
+    - `inference.engine == "vllm"`: `VLLMEngine(resolve_model(spec), inference.vllm, ...)`;
+      of `kwargs` it takes `name`, `version` and `work_dir` (the rest are the built-in engine's).
     - anything else: `LocalEngine(resolve_model(spec), **kwargs)`.
     """
     if is_url(spec):
         from atelier.inference.client import connect
 
         return connect(str(spec), **kwargs)
-    from atelier.inference.engine import LocalEngine
-
     path = resolve_model(spec)
     kwargs.setdefault("name", str(spec) if str(spec).lower() in KNOWN_MODELS else path.name)
+    if inference is not None and inference.engine == "vllm":
+        from atelier.inference.vllm_engine import VLLMEngine
+
+        return VLLMEngine(path, inference.vllm, name=kwargs["name"], version=kwargs.get("version", 0),
+                          work_dir=kwargs.get("work_dir"))
+    from atelier.inference.engine import LocalEngine
+
+    kwargs.pop("work_dir", None)
     return LocalEngine(path, **kwargs)

@@ -93,7 +93,7 @@ def tiny_config(vocab_size: int, **overrides):
 
 # The same parameter shapes with head_dim 32, the smallest vLLM's CPU attention runs (16 fails
 # at the first request): what `tiny` builds when vLLM samples.
-VLLM_SHAPE = {"num_attention_heads": 2, "num_key_value_heads": 1}
+VLLM_SHAPE = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
 
 
 def tiny_moe_config(vocab_size: int, **overrides):

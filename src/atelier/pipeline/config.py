@@ -13,6 +13,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, model_validator
 
 from atelier.config import AtelierConfig
+from atelier.inference.models import InferenceConfig
 from atelier.rl.config import CurriculumConfig, RolloutConfig, SyncConfig, TrainerConfig
 from atelier.rl.shaping import ShapingConfig
 
@@ -83,6 +84,8 @@ class RunConfig(AtelierConfig):
     threads: Optional[int] = Field(None, ge=1)
     """torch CPU threads (default: torch's choice)."""
     model: ModelStage = Field(default_factory=ModelStage)
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    """The engine of the stages that sample: evaluation before and after, and RL rollouts."""
     tasks: TasksStage
     eval: EvalStage = Field(default_factory=EvalStage)
     sft: SftStage = Field(default_factory=SftStage)

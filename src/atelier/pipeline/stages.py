@@ -122,7 +122,8 @@ class _Context:
 
         name = self.config.model.name
         try:
-            return {"path": str(resolve_or_build_tiny(name, self.run_dir, seed=self.config.seed))}
+            return {"path": str(resolve_or_build_tiny(name, self.run_dir, seed=self.config.seed,
+                                                       for_vllm=self.config.inference.engine == "vllm"))}
         except ModelNotFound:
             if name not in KNOWN_MODELS:
                 raise
@@ -163,7 +164,7 @@ class _Context:
         tasks = load_suite(self.output("tasks", "dir"), split="test")
         cfg = EvalConfig(passes=self.config.eval.passes, concurrency=self.config.eval.concurrency,
                          backend=self.config.tasks.backend)
-        with owning(open_model(model_path)) as engine:
+        with owning(open_model(model_path, inference=self.config.inference)) as engine:
             summary = run_eval(engine, tasks, out, config=cfg, agent_config=self.agent_config,
                                progress=self._progress("eval"))
         m = summary.metrics
@@ -236,7 +237,7 @@ class _Context:
             agent=self.config.eval.agent))
         cfg = TrainConfig(model=self.output("sft", "model"), seed=self.config.seed, launcher=r.launcher,
                           rollout=r.rollout, trainer=r.trainer, sync=r.sync, env=env, shaping=r.shaping,
-                          curriculum=r.curriculum)
+                          curriculum=r.curriculum, inference=self.config.inference)
         out = self.run_dir / "rl"
 
         def on_step(record: dict[str, Any]) -> None:

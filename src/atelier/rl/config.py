@@ -12,7 +12,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, model_validator
 
 from atelier.config import AtelierConfig
-from atelier.inference.models import DEFAULT_KV_CACHE_TOKENS, DEFAULT_PREFIX_CACHE_TOKENS
+from atelier.inference.models import DEFAULT_KV_CACHE_TOKENS, DEFAULT_PREFIX_CACHE_TOKENS, InferenceConfig
 from atelier.rl.shaping import ShapingConfig
 
 
@@ -180,6 +180,8 @@ class TrainConfig(AtelierConfig):
     mixture-of-experts model built in the run dir)."""
     seed: int = 0
     launcher: Literal["local", "ray"] = "local"
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    """The rollout engine: built-in, or vLLM servers the trainer pushes weights into."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)

@@ -3,8 +3,9 @@
 Ray is imported by two modules only: this one (placement of the RL run) and
 `atelier.sandbox.ray_pool` (sandboxes on Ray worker nodes).
 
-- `InferenceActor` holds a `LocalEngine` (continuous batching); it is a
-  threaded actor, so many `generate` calls block inside it at once and the
+- `InferenceActor` holds the engine `config.inference` selects: a
+  `LocalEngine` (continuous batching) or a `VLLMEngine`, whose vLLM server
+  the actor starts on its node (one server per run); it is a threaded actor, so many `generate` calls block inside it at once and the
   engine batches them. Weights arrive either through the object store
   (in-process sync) or, with `sync.kind = "delta"`, by the actor rebuilding
   them itself from the delta chain on shared storage — the cluster path:
@@ -47,16 +48,16 @@ class RayLaunchError(AtelierError):
 
 @ray.remote(num_cpus=0, max_restarts=2)
 class InferenceActor:
-    def __init__(self, model_path: str, version: int, max_batch: int, prefix_cache_tokens: int,
-                 dtype: str = "auto", kv_cache_tokens: int | None = None) -> None:
+    def __init__(self, config_json: str, model_path: str, version: int) -> None:
         import torch
 
-        from atelier.inference.engine import LocalEngine
+        from atelier.rl.run import open_rollout_engine
 
         torch.set_num_threads(1)
-        extra = {} if kv_cache_tokens is None else {"kv_cache_tokens": kv_cache_tokens}
-        self.engine = LocalEngine(model_path, version=version, max_batch=max_batch,
-                                  prefix_cache_tokens=prefix_cache_tokens, dtype=dtype, **extra)
+        config = TrainConfig.model_validate_json(config_json)
+        # The engine config.inference selects: the built-in one, or a vLLM server this actor
+        # starts and supervises on its node (one server per inference actor).
+        self.engine = open_rollout_engine(config, Path(model_path), version)
         self.chain = None
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
@@ -124,8 +125,7 @@ class RayBackend:
         self.chain_root, self.reader = chain_root, reader
         self._version = version
         self.inference = InferenceActor.options(max_concurrency=workers + 4).remote(
-            str(model_path), version, max(8, workers), config.rollout.prefix_cache_tokens,
-            config.rollout.dtype, config.rollout.kv_cache_tokens)
+            config.model_dump_json(), str(model_path), version)
         n = max(1, min(actors, workers))
         per_actor = -(-workers // n)
         self.actors = [RolloutActor.options(max_concurrency=per_actor).remote(

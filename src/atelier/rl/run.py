@@ -90,18 +90,25 @@ def prepare_run_dir(config: TrainConfig, run_dir: Path, resume: bool) -> None:
 
 
 def make_backend(config: TrainConfig, env, model_path: Path, version: int, reader: WeightSync,
-                 chain_root: Path | None):
+                 chain_root: Path | None, work_dir: Path | None = None):
     if config.launcher == "ray":
         from atelier.rl.ray_launcher import RayBackend
 
         return RayBackend(config, model_path, version, chain_root=chain_root, reader=reader)
-    from atelier.inference.engine import LocalEngine
     from atelier.rl.backends import LocalBackend
 
-    engine = LocalEngine(model_path, version=version, max_batch=max(8, config.rollout.workers),
-                         prefix_cache_tokens=config.rollout.prefix_cache_tokens, dtype=config.rollout.dtype,
-                         kv_cache_tokens=config.rollout.kv_cache_tokens)
-    return LocalBackend(env, engine, reader, config.rollout.workers)
+    return LocalBackend(env, open_rollout_engine(config, model_path, version, work_dir), reader,
+                        config.rollout.workers)
+
+
+def open_rollout_engine(config: TrainConfig, model_path: Path, version: int, work_dir: Path | None = None):
+    """The engine `config.inference` selects, at policy `version` (vLLM keeps its server log in `work_dir`)."""
+    from atelier.inference.models import open_model
+
+    return open_model(model_path, inference=config.inference, version=version, name=model_path.name,
+                      work_dir=work_dir, max_batch=max(8, config.rollout.workers),
+                      prefix_cache_tokens=config.rollout.prefix_cache_tokens, dtype=config.rollout.dtype,
+                      kv_cache_tokens=config.rollout.kv_cache_tokens)
 
 
 @dataclass
@@ -171,7 +178,9 @@ def open_run(config: TrainConfig, run_dir: Path, resume: bool, ranks=None, comma
     prepare_run_dir(config, run_dir, resume)
     loggers = make_loggers(config.loggers, run_dir, config.model_dump(mode="json"))
     ckpt = latest_checkpoint(run_dir) if resume else None
-    model_path = ckpt / "model" if ckpt else resolve_or_build_tiny(config.model, run_dir, seed=config.seed)
+    for_vllm = config.inference.engine == "vllm"
+    model_path = ckpt / "model" if ckpt else resolve_or_build_tiny(config.model, run_dir, seed=config.seed,
+                                                                   for_vllm=for_vllm)
     trainer = restore_trainer(config, model_path, ckpt, ranks, commands)
     ledger = restore_ledger(run_dir, ckpt, trainer.step)
     root = sync_root(config, run_dir)
@@ -180,7 +189,8 @@ def open_run(config: TrainConfig, run_dir: Path, resume: bool, ranks=None, comma
     if (weights.latest() or (None, -1))[1] != trainer.step:  # readers start from the trainer's weights
         weights.publish(_published(trainer.state_dict(), config.sync.dtype), trainer.step)
     env = make_environment(config.env, config.rollout, config.shaping, config.seed)
-    backend = make_backend(config, env, model_path, trainer.step, weights.reader(), root)
+    backend = make_backend(config, env, model_path, trainer.step, weights.reader(), root,
+                           work_dir=run_dir / "vllm")
     reconciler = Reconciler(ledger=ledger, tasks=env.tasks(), category=env.category, backend=backend,
                             cfg=config.rollout, curriculum=Curriculum(config.curriculum),
                             rollouts_dir=run_dir / "rollouts", seed=config.seed, version=trainer.step,
