@@ -252,7 +252,7 @@ def test_engine_option_is_typed_and_reaches_open_model(vllm_engine, vllm_model_d
     from atelier.config import ConfigError
     from atelier.eval.models import open_eval_model
     from atelier.harness.deploy import open_agent_model
-    from atelier.inference.models import inference_config
+    from atelier.inference.config import inference_config
     from atelier.inference.types import TokenModel, owning
     from atelier.inference.vllm_engine import VLLMEngine
     from atelier.rl.config import TrainConfig

@@ -47,7 +47,7 @@ def eval_cmd(
     from atelier.eval.runner import EvalConfig, run_eval
     from atelier.eval.tasks import load_tasks
     from atelier.harness.config import AgentConfig
-    from atelier.inference.models import inference_config
+    from atelier.inference.config import inference_config
     from atelier.inference.types import owning
 
     sets = list(overrides)

@@ -126,7 +126,7 @@ def run_agent_command(*, task: str, model: str | None, repo: Path, apply: bool, 
     extra = [f"max_turns={max_turns}"] if max_turns is not None else []
     config = load_config(AgentConfig, recipe, [*overrides, *extra])
     console = Console(stderr=True)
-    from atelier.inference.models import inference_config
+    from atelier.inference.config import inference_config
 
     with owning(open_agent_model(model, script, api_key, inference_config(engine, vllm_sets))) as policy:
         traj = run_in_sandbox(policy, repo, task, SandboxConfig(backend=backend), task_id=repo.resolve().name,

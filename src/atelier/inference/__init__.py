@@ -8,6 +8,10 @@ Modules (import the one you need; this package imports nothing heavy):
   `ModelNotFound`.
 - `pull`: `pull_model(name, wheel=None)` and `convert_gguf(file, out_dir)`, behind
   `atelier models pull|list`.
+- `config`: `InferenceConfig` (which engine: built-in or vLLM) and the CLI's `inference_config`.
+- `vllm_engine`: `VLLMEngine`, a `TokenModel` over a vLLM server with exact per-token versions
+  across in-flight weight updates; `vllm_server`: `VLLMConfig` and the server process it supervises;
+  `vllm_worker`: the worker extension that runs inside vLLM (weight reloads, the tied head).
 - `engine`: `LocalEngine`, continuous batching over a fixed KV budget (paged blocks,
   preemption, cancellation) with a prefix cache, per-token policy versions,
   in-flight `update_weights`, bf16 where the hardware has it.

@@ -23,13 +23,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
-from pydantic import Field
-
-from atelier.config import AtelierConfig
 from atelier.errors import AtelierError
-from atelier.inference.vllm_server import VLLMConfig
+
+if TYPE_CHECKING:
+    from atelier.inference.config import InferenceConfig
 
 COMPLETE_MARKER = ".atelier-complete"
 
@@ -65,22 +64,6 @@ DEFAULT_PREFIX_CACHE_TOKENS = 16384
 # The local engine's whole KV memory in token positions (see `atelier.inference.engine`): 0.75 GB
 # for SmolLM2-135M in bf16, 1.5 GB in fp32.
 DEFAULT_KV_CACHE_TOKENS = 32768
-
-
-class InferenceConfig(AtelierConfig):
-    """Which engine samples from a model."""
-
-    engine: Literal["builtin", "vllm"] = "builtin"
-    """builtin: atelier's own engine (no extra dependencies; the laptop default). vllm: a vLLM
-    server (what GPU users run), from the environment `make vllm-env` builds (see [inference.vllm])."""
-    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
-
-
-def inference_config(engine: str, vllm_sets: list[str] | tuple[str, ...] = ()) -> InferenceConfig:
-    """The `InferenceConfig` of the CLI's `--engine E --vllm KEY=VALUE ...` (typos fail like recipe keys)."""
-    from atelier.config import load_config
-
-    return load_config(InferenceConfig, None, [f"engine={engine}", *(f"vllm.{s}" for s in vllm_sets)])
 
 
 def atelier_cache_root() -> Path:
@@ -167,7 +150,7 @@ def is_url(spec: str | Path) -> bool:
     return str(spec).startswith(("http://", "https://"))
 
 
-def open_model(spec: str | Path, *, inference: InferenceConfig | None = None, **kwargs: Any):
+def open_model(spec: str | Path, *, inference: "InferenceConfig | None" = None, **kwargs: Any):
     """A `TokenModel` (or a `ChatModel`) for `spec`.
 
     - `http(s)://…`: `atelier.inference.client.connect(url, **kwargs)` — a

@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, model_validator
 
 from atelier.config import AtelierConfig
-from atelier.inference.models import InferenceConfig
+from atelier.inference.config import InferenceConfig
 from atelier.rl.config import CurriculumConfig, RolloutConfig, SyncConfig, TrainerConfig
 from atelier.rl.shaping import ShapingConfig
 

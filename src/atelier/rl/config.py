@@ -12,7 +12,8 @@ from typing import Any, Literal, Optional
 from pydantic import Field, model_validator
 
 from atelier.config import AtelierConfig
-from atelier.inference.models import DEFAULT_KV_CACHE_TOKENS, DEFAULT_PREFIX_CACHE_TOKENS, InferenceConfig
+from atelier.inference.config import InferenceConfig
+from atelier.inference.models import DEFAULT_KV_CACHE_TOKENS, DEFAULT_PREFIX_CACHE_TOKENS
 from atelier.rl.shaping import ShapingConfig
 
 
