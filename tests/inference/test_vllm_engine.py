@@ -119,7 +119,7 @@ def prompts(tokenizer) -> list[list[int]]:
 def test_greedy_tokens_equal_builtin_engine_and_transformers(vllm_engine, vllm_model_dir, hf_model):
     from atelier.inference.engine import LocalEngine
 
-    with LocalEngine(vllm_model_dir) as builtin:
+    with LocalEngine(vllm_model_dir, dtype="float32") as builtin:
         for prompt in prompts(vllm_engine.tokenizer):
             got = vllm_engine.generate(prompt, greedy(3 * CHUNK + 3))  # crosses chunk boundaries
             want = builtin.generate(prompt, greedy(3 * CHUNK + 3)).token_ids
