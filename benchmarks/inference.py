@@ -1,9 +1,11 @@
 """Generation throughput, prefix caching, weight-update latency and `atelier serve` memory, in one run.
 
 Rows (one function each, `row_<name>(ctx) -> dict`; add an engine by adding a
-function to `ROWS`): the built-in engine in fp32 and in bf16, and transformers'
-`generate` over one left-padded batch (its best configuration when every
-request is known up front) in fp32 and in bf16. Every row runs the same chat
+function to `ROWS`): the built-in engine in fp32 and in bf16, a vLLM server
+(the `VLLMEngine` backend rollouts use, chunks of its default size; started
+from the `make vllm-env` environment, skipped with a reason when absent) in
+fp32 and in bf16, and transformers' `generate` over one left-padded batch (its
+best configuration when every request is known up front) in fp32 and in bf16. Every row runs the same chat
 prompts, greedy, stop tokens disabled, the same number of new tokens, at each
 batch size (default 1, 16, 64): tokens/s. The engine gets B concurrent
 `submit`s; transformers one `generate` over all B.
@@ -18,6 +20,12 @@ Also measured, on the built-in engine:
   from a safetensors directory, and publish-to-first-new-token: the time from
   calling `update_weights` while 8 requests stream to the first token stamped
   with the new version.
+- each vLLM row also measures its weight updates (`weight_update` in the row):
+  full-model `update_weights` from in-process tensors and from a safetensors
+  directory; publish-to-first-new-token while 8 requests stream (from calling
+  `update_weights` to the first token stamped with the new version, here a
+  one-token request's); and the same from a delta-chain publish on disk
+  (publish, rebuild, push, first token).
 - `serve_memory`: peak resident memory (VmHWM) of an `atelier serve` process
   while C clients (default 16) each send one chat request with a ~3k-token
   prompt; target <= 2 GB for SmolLM2-135M.
@@ -156,12 +164,99 @@ def _transformers(ctx: Context, dtype: str) -> dict:
     return result
 
 
+def _vllm(ctx: Context, dtype: str) -> dict:
+    from atelier.inference.types import SamplingParams
+    from atelier.inference.vllm_engine import VLLMEngine
+    from atelier.inference.vllm_server import VLLMConfig, VLLMUnavailable, find_vllm_python
+
+    try:
+        find_vllm_python(VLLMConfig())
+    except VLLMUnavailable as exc:
+        return {"dtype": dtype, "skipped": exc.message}
+    params = SamplingParams(max_tokens=ctx.args.new_tokens, temperature=0.0, stop_token_ids=(-1,))
+    start_s, engine = _timed(lambda: VLLMEngine(ctx.path, VLLMConfig(dtype=dtype, max_model_len=4096)))
+    with engine:
+        def run(prompts: list[list[int]]) -> int:
+            engine.clear_prefix_cache()  # no batch reuses another's prompts
+            counts = [0] * len(prompts)
+
+            def one(i: int) -> None:
+                counts[i] = len(engine.generate(prompts[i], params).token_ids)
+
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            return sum(counts)
+
+        run(ctx.prompts[:2])  # warm-up
+        result = {"dtype": dtype, "server_start_s": round(start_s, 1), "chunk_tokens": engine.config.chunk_tokens,
+                  **_throughput(run, ctx.prompts, ctx.args.batches)}
+        result["weight_update"] = _vllm_weight_update(ctx, engine)
+        return result
+
+
+def _vllm_weight_update(ctx: Context, engine) -> dict:
+    from safetensors.torch import load_file, save_file
+
+    from atelier.inference.types import SamplingParams
+    from atelier.rl.weight_sync import DeltaChainWeightSync
+
+    state = {}
+    for f in sorted(Path(ctx.path).glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    in_process, _ = _timed(lambda: engine.update_weights(state, version=1))
+    with tempfile.TemporaryDirectory() as tmp:
+        save_file({k: v.contiguous() for k, v in state.items()}, f"{tmp}/model.safetensors")
+        from_path, _ = _timed(lambda: engine.update_weights_from_path(tmp, version=2))
+    streaming = SamplingParams(max_tokens=256, temperature=0.0, stop_token_ids=(-1,))
+    rollouts = [threading.Thread(target=engine.generate, args=(p, streaming)) for p in ctx.prompts[:8]]
+    chunks = engine.stats["chunks"]
+    for t in rollouts:
+        t.start()
+    while engine.stats["chunks"] < chunks + 8:  # every rollout is streaming
+        time.sleep(0.01)
+    published = time.perf_counter()
+    engine.update_weights(state, version=3)
+    first = engine.generate(ctx.prompts[0], one)
+    first_new_s = time.perf_counter() - published
+    assert first.versions == [3]
+    for t in rollouts:
+        t.join()
+    with tempfile.TemporaryDirectory() as root:
+        chain = DeltaChainWeightSync(root)
+
+        def publish_to_first_token() -> None:
+            chain.publish(state, 4)
+            weights, step = DeltaChainWeightSync(root).latest()
+            engine.update_weights(weights, step)
+            assert engine.generate(ctx.prompts[0], one).versions == [4]
+
+        chain_s, _ = _timed(publish_to_first_token)
+    return {"tensors": len(state), "in_process_s": round(in_process, 3),
+            "from_safetensors_dir_s": round(from_path, 3),
+            "publish_to_first_new_token_s": round(first_new_s, 3),
+            "delta_chain_publish_to_first_new_token_s": round(chain_s, 3),
+            "last_update": {k: round(v, 3) if isinstance(v, float) else v
+                            for k, v in engine.stats["updates"][-1].items()}}
+
+
 def row_builtin_fp32(ctx: Context) -> dict:
     return _builtin(ctx, "float32")
 
 
 def row_builtin_bf16(ctx: Context) -> dict:
     return _builtin(ctx, "bfloat16")
+
+
+def row_vllm_fp32(ctx: Context) -> dict:
+    return _vllm(ctx, "float32")
+
+
+def row_vllm_bf16(ctx: Context) -> dict:
+    return _vllm(ctx, "bfloat16")
 
 
 def row_transformers_padded_fp32(ctx: Context) -> dict:
@@ -175,6 +270,8 @@ def row_transformers_padded_bf16(ctx: Context) -> dict:
 ROWS = {
     "builtin_fp32": row_builtin_fp32,
     "builtin_bf16": row_builtin_bf16,
+    "vllm_fp32": row_vllm_fp32,
+    "vllm_bf16": row_vllm_bf16,
     "transformers_padded_fp32": row_transformers_padded_fp32,
     "transformers_padded_bf16": row_transformers_padded_bf16,
 }

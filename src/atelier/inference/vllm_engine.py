@@ -413,6 +413,11 @@ class VLLMEngine:
             time.sleep(0.1)
         raise VLLMEngineError("vLLM would not reset its prefix cache after a weight update")
 
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prefix (benchmarks use it between runs); waits for running chunks."""
+        with self._fence.exclusive():
+            self._reset_prefix_cache()
+
     # -- outages ------------------------------------------------------------------
     def _recover(self, seen_epoch: int) -> None:
         """Restart a server we own that died, unless another thread already did."""
