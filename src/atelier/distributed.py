@@ -323,6 +323,15 @@ def barrier(ranks: Ranks) -> None:
         dist.barrier()
 
 
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak GPU memory allocated by this process, or its peak resident set on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # KiB on Linux
+
+
 def clip_grad_norm(params, max_norm: float) -> float:
     """Global gradient norm (across shards and ranks) and clipping; DTensor-aware."""
     norm = torch.nn.utils.clip_grad_norm_(list(params), max_norm)

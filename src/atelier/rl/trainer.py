@@ -143,8 +143,8 @@ class Trainer:
             grad_norm = D.clip_grad_norm(self.head.parameters(), self.cfg.max_grad_norm)
             self.optimizer.step()
             totals = dict(zip(METRIC_SUMS, D.all_reduce_sum([sums[k] for k in METRIC_SUMS], self.ranks)))
-            ratio_max, neg_ratio_min, mismatch_max = D.all_reduce_max([ratio_max, neg_ratio_min, mismatch_max],
-                                                                      self.ranks)
+            ratio_max, neg_ratio_min, mismatch_max, peak_gb = D.all_reduce_max(
+                [ratio_max, neg_ratio_min, mismatch_max, D.peak_memory_gb(self.ranks.device)], self.ranks)
         staleness: Counter[int] = Counter()
         for s in samples:
             for v, mk in zip(s.versions[1:], s.loss_mask[1:]):
@@ -163,6 +163,7 @@ class Trainer:
             "sampler_mismatch_max": mismatch_max, "sampler_k1": totals["sampler_k1"] / n,
             "entropy": totals["entropy"] / n, "staleness_hist": {str(k): v for k, v in sorted(staleness.items())},
             "staleness_max": max(staleness) if staleness else 0, "ranks": self.ranks.world,
+            "peak_memory_gb": round(peak_gb, 3),
             **self.moe_metrics(),
         }
 

@@ -1,0 +1,155 @@
+"""RL trainer throughput: fp32 vs bf16 and 1 vs N ranks (FSDP2), with MFU; prints one JSON object.
+
+Each configuration runs as its own set of rank processes (`atelier.launch`,
+torchrun's environment), on the same batch of RL samples: `--batch`
+sequences of `--seq-len` tokens, all trained on. Every rank first measures
+its square-matmul rate in the precision it trains in (same process, same
+threads), then times `--steps` trainer steps (the median is reported) after
+`--warmup`. Figures:
+
+- tokens_per_s: the step's tokens over the median step time (all ranks);
+- mfu: model FLOPs per second (PaLM: 6 * params + 12 * layers * hidden *
+  seq_len per token; the chunked logprob recomputation is overhead, not
+  counted) over the sum of the ranks' measured matmul rates;
+- peak_rss_gb: each rank's peak resident memory (CPU) or peak allocated
+  GPU memory.
+
+The model is SmolLM2-135M's architecture, randomly initialised (speed depends
+on shapes, not weights), or `--model DIR`. On a CPU shared with other work the
+absolute rates fall with the load; the ratios inside one run are what to read.
+
+    python benchmarks/train.py [--seq-len 2048] [--batch 1] [--ranks 1 2] [--precisions fp32 bf16]
+    python benchmarks/train.py --seq-len 4096 --batch 4 --ranks 1 --precisions bf16   # memory target
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from pretrain import SMOLLM2_135M, matmul_gflops, sync  # noqa: E402
+
+
+def build_model(out: Path) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(LlamaConfig(**SMOLLM2_135M)).save_pretrained(out)
+    return out
+
+
+def worker(spec: dict) -> None:
+    """One rank: matmul rate, then timed trainer steps; rank 0 writes the JSON result."""
+    import resource
+
+    import torch
+
+    from atelier.rl.config import TrainerConfig
+    from atelier.rl.sample import Sample
+    from atelier.rl.trainer import Trainer
+
+    torch.set_num_threads(spec["threads"])
+    cfg = TrainerConfig(precision=spec["precision"], micro_batch=spec["micro_batch"], device=spec["device"],
+                        activation_checkpointing=spec["activation_checkpointing"], lr=1e-6, norm_tokens=4096)
+    trainer = Trainer(spec["model"], cfg)
+    device = str(trainer.ranks.device)
+    dtype = torch.bfloat16 if trainer.precision == "bf16" else torch.float32
+    rate, rate_cpu = matmul_gflops(device, dtype)
+    g = torch.Generator().manual_seed(0)
+    n, vocab = spec["seq_len"], trainer.model.config.vocab_size
+    samples = [Sample(torch.randint(0, vocab, (n,), generator=g).tolist(), [0] + [1] * (n - 1),
+                      [0.0] + [-3.0] * (n - 1), [-1] + [0] * (n - 1), 1.0 if i % 2 else -1.0, "g", "t")
+               for i in range(spec["batch"])]
+    times = []
+    for i in range(spec["warmup"] + spec["steps"]):
+        sync(device)
+        start = time.perf_counter()
+        trainer.train_step(samples)
+        sync(device)
+        if i >= spec["warmup"]:
+            times.append(time.perf_counter() - start)
+    from atelier import distributed as D
+
+    rss_gb = (torch.cuda.max_memory_allocated() if device.startswith("cuda")
+              else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30
+    rates = D.all_reduce_sum([rate], trainer.ranks)[0]
+    peaks = D.all_reduce_max([rss_gb], trainer.ranks)[0]
+    step_s = D.all_reduce_max([statistics.median(times)], trainer.ranks)[0]
+    if trainer.ranks.main:
+        c = trainer.model.config
+        params = sum(p.numel() for p in trainer.model.parameters())   # a DTensor's numel is the whole
+        tokens = spec["batch"] * n
+        flops_per_token = 6 * params + 12 * c.num_hidden_layers * c.hidden_size * n
+        achieved = tokens / step_s * flops_per_token / 1e9
+        Path(spec["out"]).write_text(json.dumps({
+            "ranks": trainer.ranks.world, "precision": trainer.precision, "device": device,
+            "threads_per_rank": spec["threads"], "step_s": round(step_s, 3),
+            "tokens_per_s": round(tokens / step_s, 1), "matmul_gflops_all_ranks": round(rates, 1),
+            "achieved_gflops": round(achieved, 1), "mfu": round(achieved / rates, 4),
+            "peak_rss_gb_max_rank": round(peaks, 2)}))
+    D.close_ranks()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="a model directory (default: SmolLM2-135M's shapes)")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
+    parser.add_argument("--threads", type=int, default=None, help="total CPU threads, split across ranks")
+    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(json.loads(Path(args.worker).read_text()))
+        return
+
+    from atelier.launch import run_ranks
+
+    threads = args.threads or os.cpu_count() or 1
+    results = []
+    with tempfile.TemporaryDirectory(prefix="atelier-bench-train-") as tmp:
+        model = args.model or str(build_model(Path(tmp) / "model"))
+        for world in args.ranks:
+            for precision in args.precisions:
+                spec = {"model": model, "seq_len": args.seq_len, "batch": args.batch,
+                        "micro_batch": args.micro_batch, "precision": precision, "device": args.device,
+                        "threads": max(1, threads // world), "steps": args.steps, "warmup": args.warmup,
+                        "activation_checkpointing": args.activation_checkpointing,
+                        "out": str(Path(tmp) / f"r{world}-{precision}.json")}
+                path = Path(tmp) / f"spec-{world}-{precision}.json"
+                path.write_text(json.dumps(spec))
+                env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"])}
+                run_ranks([__file__, "--worker", str(path)], world, env=env, what="benchmark")
+                results.append(json.loads(Path(spec["out"]).read_text()))
+    by = {(r["ranks"], r["precision"]): r for r in results}
+    ratios = {}
+    for world in args.ranks:
+        if (world, "fp32") in by and (world, "bf16") in by:
+            ratios[f"bf16_over_fp32_tokens_per_s_{world}_ranks"] = round(
+                by[(world, "bf16")]["tokens_per_s"] / by[(world, "fp32")]["tokens_per_s"], 2)
+    for precision in args.precisions:
+        if len(args.ranks) > 1 and all((w, precision) in by for w in args.ranks):
+            lo, hi = min(args.ranks), max(args.ranks)
+            ratios[f"{hi}_over_{lo}_ranks_tokens_per_s_{precision}"] = round(
+                by[(hi, precision)]["tokens_per_s"] / by[(lo, precision)]["tokens_per_s"], 2)
+    print(json.dumps({"benchmark": "train", "model": args.model or "SmolLM2-135M shapes, random weights",
+                      "seq_len": args.seq_len, "batch": args.batch, "micro_batch": args.micro_batch,
+                      "total_threads": threads, "results": results, "ratios": ratios}))
+
+
+if __name__ == "__main__":
+    main()
