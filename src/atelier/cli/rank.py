@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     from atelier.errors import AtelierError
 
     try:
-        result = _run(args)
+        result = run_rank(args.kind, Path(args.config).read_text(), args.run_dir, resume=args.resume,
+                          quiet=args.quiet)
     except AtelierError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -36,9 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run(args) -> dict | None:
-    text = Path(args.config).read_text()
-    if args.kind == "train":
+def run_rank(kind: str, text: str, run_dir: str, *, resume: bool, quiet: bool) -> dict | None:
+    """Run this process's rank of an `atelier train` / `pretrain` job (config as JSON text);
+    rank 0 returns the run's summary, the other ranks None. Also what Ray rank actors call."""
+    if kind == "train":
         from atelier.rl.config import TrainConfig
         from atelier.rl.run import run_training
 
@@ -47,14 +49,12 @@ def _run(args) -> dict | None:
                                                  "gen_tokens_per_s", "trainer_idle_fraction", "sync_bytes")}),
                   flush=True)
 
-        summary = run_training(TrainConfig.model_validate_json(text), args.run_dir, resume=args.resume,
-                               on_step=on_step)
+        summary = run_training(TrainConfig.model_validate_json(text), run_dir, resume=resume, on_step=on_step)
         return summary.to_dict() if summary is not None else None
     from atelier.pretrain.config import PretrainConfig
     from atelier.pretrain.train import run_pretrain
 
-    result = run_pretrain(PretrainConfig.model_validate_json(text), args.run_dir, resume=args.resume,
-                          quiet=args.quiet)
+    result = run_pretrain(PretrainConfig.model_validate_json(text), run_dir, resume=resume, quiet=quiet)
     import os
 
     if os.environ.get("RANK", "0") != "0":

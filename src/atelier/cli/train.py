@@ -61,9 +61,16 @@ def _run(config, run_dir: Path, resume: bool, quiet: bool) -> None:
     console.print(f"[bold]atelier train[/] → {run_dir}  ({config.rollout.mode}, launcher {config.launcher}"
                   f"{f', {ranks} trainer ranks' if ranks > 1 else ''}{', resuming' if resume else ''})")
     if ranks > 1 and "WORLD_SIZE" not in os.environ:   # start the ranks here (else torchrun did)
-        from atelier.launch import launch_job
+        if config.launcher == "ray":   # rank actors in a placement group, one GPU each on cuda
+            from atelier.launch_ray import launch_ray_job
 
-        result = launch_job("train", config, run_dir, resume=resume, quiet=True, world=ranks)
+            result = launch_ray_job("train", config, run_dir, resume=resume, world=ranks,
+                                    cpus_per_rank=config.trainer.threads, threads=config.trainer.threads,
+                                    gpus_per_rank=1.0 if config.trainer.device == "cuda" else 0.0)
+        else:
+            from atelier.launch import launch_job
+
+            result = launch_job("train", config, run_dir, resume=resume, quiet=True, world=ranks)
         console.print(json.dumps(result, indent=1))
         return
     rows: list[dict] = []
