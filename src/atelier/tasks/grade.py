@@ -51,7 +51,13 @@ package; the static screen flags the usual ways (`gc`, `ctypes`,
 `/proc/self`, `_pytest`), but not code assembled at run time. Isolation of
 the outcome from the code under test would need the tests in a second
 process, which pytest does not do. The sandbox bounds the damage: no network,
-nothing of the host writable, the environment read-only.
+nothing of the host writable, the environment read-only. Also not defended:
+a patch that makes the run hang until the timeout gets an infrastructure
+error (excluded and retried, not scored 0) unless its stream already shows
+tampering; a patch that stops pytest before the tests run (collection or
+usage error) scores 0 as a plain error, since such a run can earn nothing,
+and canaries and the session's closing are only checked when pytest ran the
+tests (exit 0 or 1).
 
 What counts (`score`, pure): the statuses the grader built from the stream.
 Printed "PASSED" lines count for nothing. No stream, zero tests, or a target
