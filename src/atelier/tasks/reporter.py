@@ -39,6 +39,7 @@ pytest < 6, canaries must match `python_functions` to be collected).
 from __future__ import annotations
 
 import json
+import operator
 import os
 import sys
 
@@ -140,17 +141,43 @@ def _lookup(module: str, name: str) -> object:
 
 
 class Guard:
-    """Identities taken once, compared on every `changed()` call."""
+    """Identities taken once, compared on every `changed()` call. The common
+    case (nothing changed) is one C-level `itemgetter` and `is` per owner."""
 
     def __init__(self) -> None:
-        # vars() of a class is a live view of its dict: kept, not rebuilt per check.
-        self.items = [(label, vars(owner), name, vars(owner)[name]) for label, owner, name in guarded()]
+        # vars() of a class is a live view of its dict: taken once per owner, not per check.
+        spaces: dict[int, object] = {}
+        self.items = []
+        groups: dict[int, tuple[object, list[str], list[object]]] = {}
+        for label, owner, name in guarded():
+            space = spaces.setdefault(id(owner), vars(owner))
+            self.items.append((label, space, name, space[name]))
+            group = groups.setdefault(id(owner), (space, [], []))
+            group[1].append(name)
+            group[2].append(space[name])
+        self.groups = [(space, operator.itemgetter(*names), tuple(objs) if len(objs) > 1 else objs[0])
+                       for space, names, objs in groups.values()]
         self.modules = {name: sys.modules[name] for name in PRELOADED if name in sys.modules}
+        self.module_names = operator.itemgetter(*self.modules)
+        self.module_objs = tuple(self.modules.values())
         self.reported: set[str] = set()
+
+    def _same(self) -> bool:
+        try:
+            for space, get, expected in self.groups:
+                now = get(space)
+                if now is not expected and (type(now) is not tuple or len(now) != len(expected)
+                                            or not all(map(operator.is_, now, expected))):
+                    return False
+            return all(map(operator.is_, self.module_names(sys.modules), self.module_objs))
+        except KeyError:
+            return False
 
     def changed(self) -> list[str]:
         """Labels of guarded objects that are no longer what they were, each
         reported once."""
+        if self._same():
+            return []
         bad = [label for label, space, name, obj in self.items if space.get(name) is not obj]
         bad += [f"sys.modules[{name!r}]" for name, mod in self.modules.items()
                 if sys.modules.get(name) is not mod]
@@ -224,6 +251,7 @@ def make_plugin(pytest, emit, guard: Guard, cwd: str, canary_file: str | None,
             self.config = None
             self.started = False
             self.seen_impls: set[int] = set()
+            self.last_impls: dict[str, list] = {}
 
         def check(self, where: str) -> None:
             changed = guard.changed()
@@ -236,7 +264,11 @@ def make_plugin(pytest, emit, guard: Guard, cwd: str, canary_file: str | None,
                 caller = getattr(hook, name, None)
                 if caller is None:
                     continue
-                for impl in caller.get_hookimpls():
+                impls = caller.get_hookimpls()
+                if impls == self.last_impls.get(name):  # identity per element, in C
+                    continue
+                self.last_impls[name] = impls
+                for impl in impls:
                     if id(impl.function) in self.seen_impls:
                         continue
                     self.seen_impls.add(id(impl.function))
