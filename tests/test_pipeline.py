@@ -1,6 +1,9 @@
-"""`atelier run` end to end on a tiny recipe: a tiny model, three mutation
-tasks from a small repository written here, one SFT step and one RL step,
-in real sandboxes; then a rerun that resumes and finds everything done."""
+"""`atelier run` end to end on a tiny recipe (a shrunken demo): a tiny model,
+three mutation tasks from a small repository written here (three source
+files, so the held-out task shares no file with the training ones), one SFT
+step and one RL step, in real sandboxes, each stage in its own process;
+summary.json checked against the evaluation records; then a rerun that
+resumes and finds everything done."""
 
 from __future__ import annotations
 
@@ -18,40 +21,49 @@ from atelier.pipeline.stages import STAGES, PipelineError, run_pipeline
 REPO = {
     "shapes/__init__.py": "",
     "shapes/calc.py": """
-        def add(a, b):
-            return a + b
-
-
         def clamp(x, lo, hi):
             if x < lo:
                 return lo
             if x > hi:
                 return hi
             return x
-
-
+    """,
+    "shapes/stats.py": """
         def mean(values):
             total = 0
             for v in values:
                 total += v
             return total / len(values)
     """,
+    "shapes/text.py": """
+        def shout(word, times):
+            if times < 1:
+                return ""
+            return word.upper() * times
+    """,
     "tests/test_calc.py": """
-        from shapes.calc import add, clamp, mean
-
-
-        def test_add():
-            assert add(2, 3) == 5
+        from shapes.calc import clamp
 
 
         def test_clamp():
             assert clamp(5, 0, 10) == 5
             assert clamp(-5, 0, 10) == 0
             assert clamp(50, 0, 10) == 10
+    """,
+    "tests/test_stats.py": """
+        from shapes.stats import mean
 
 
         def test_mean():
             assert mean([1, 2, 3, 6]) == 3
+    """,
+    "tests/test_text.py": """
+        from shapes.text import shout
+
+
+        def test_shout():
+            assert shout("a", 3) == "AAA"
+            assert shout("a", 0) == ""
     """,
 }
 
@@ -97,6 +109,10 @@ min_valid = 1
 [rl.trainer]
 steps = 1
 lr = 1e-3
+
+[headline]
+measure = "edit"
+min_attempts = 1
 """
 
 
@@ -112,7 +128,19 @@ def recipe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return path
 
 
-@pytest.mark.timeout(900)
+def _recount(run_dir: Path) -> tuple[int, int, int]:
+    """(valid attempts, successes, edits) straight from results.jsonl: the last line per attempt."""
+    last = {}
+    for line in (run_dir / "results.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        last[(row["task_id"], row["pass_index"])] = row
+    valid = [r for r in last.values() if not r["infra_error"]]
+    return (len(valid), sum(r["success"] for r in valid),
+            sum(r["diff_lines"] > 0 and not r["grade_error"] for r in valid))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_atelier_run_end_to_end_then_resume(bwrap_ready, recipe: Path, tmp_path: Path,
                                             capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "run"
@@ -124,14 +152,38 @@ def test_atelier_run_end_to_end_then_resume(bwrap_ready, recipe: Path, tmp_path:
     stages = json.loads((out / "stages.json").read_text())
     assert list(stages) == list(STAGES)
     assert stages["tasks"]["train"] == 2 and stages["tasks"]["test"] == 1
-    assert stages["eval-before"]["attempts"] == 1 and stages["eval-after"]["attempts"] == 1
+    assert stages["tasks"]["split"] == "file"
+    for stage in ("eval-before", "eval-sft", "eval-after"):
+        assert stages[stage]["attempts"] == 1
     assert stages["sft-data"]["kept"] == 2, "both gold replays should score 1"
     assert stages["sft"]["steps"] == 1
     assert stages["rl"]["steps"] == 1
-    # The RL model is a new checkpoint, not the SFT model.
+    # The RL model is a new checkpoint, not the SFT model; each evaluation saw its own model.
     assert stages["rl"]["model"] != stages["sft"]["model"]
+    assert stages["eval-sft"]["model"] == stages["sft"]["model"]
+    assert stages["eval-after"]["model"] == stages["rl"]["model"]
+    # Every stage ran in a child and its memory was measured (the whole tree: at least a Python with torch).
+    assert all(stages[s]["peak_rss_mb"] > 50 for s in STAGES)
+    assert (out / "logs" / "rl.log").is_file()
+
+    summary = json.loads((out / "summary.json").read_text())
+    for label, sub in (("before", "eval-before"), ("after_sft", "eval-sft"), ("after_rl", "eval-after")):
+        figures = summary["evaluations"][label]
+        valid, passed, edits = _recount(out / sub)
+        assert figures["valid_attempts"] == valid
+        assert figures["pass_rate"] == (passed / valid if valid else None)
+        assert figures["edit"]["rate"] == (edits / valid if valid else None)
+        assert set(figures) >= {"pass_rate_interval_95", "best_of_k", "mean_reward", "headline"}
+    head = summary["headline"]
+    assert head["measure"] == "edit" and head["pre_registered"] and 0 <= head["p_value"] <= 1
+    assert set(head) >= {"test", "pairs", "improved", "worsened", "alpha", "significant"}
+    assert summary["rl"]["steps"] == [1] and len(summary["rl"]["reward_mean"]) == 1
+    assert summary["rl"]["zero_variance_fraction_all"] in (0.0, 1.0)
+    assert set(summary["wall_s"]) == set(STAGES) and summary["peak_rss_mb_run"] >= max(
+        stages[s]["peak_rss_mb"] for s in STAGES if s != "report")
     html = (out / "report.html").read_text()
-    assert "eval-before" in html and "eval-after" in html
+    assert "eval-before" in html and "eval-sft" in html and "eval-after" in html
+    assert 'id="headline"' in html and "after SFT" in html
     # Held-out means held out: no test task was replayed for SFT or trained by RL.
     index = (out / "tasks" / "index.toml").read_text()
     test_ids = {line.split('"')[1] for line in index.splitlines() if line.strip().endswith('"test"')}
@@ -159,3 +211,13 @@ def test_bad_recipe_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "test_count" in err and "Traceback" not in err
+
+
+def test_summary_keys_when_the_report_stage_has_not_run(tmp_path: Path) -> None:
+    """A summary over a run with no evaluation after RL has no headline test, and says so in the report."""
+    from atelier.eval.report import headline_section
+    from atelier.pipeline.summary import build_summary
+
+    summary = build_summary(tmp_path, {}, measure="pass", alpha=0.05)
+    assert summary["evaluations"] == {} and "p_value" not in summary["headline"]
+    assert "No headline test" in headline_section(summary)

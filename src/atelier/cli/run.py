@@ -19,37 +19,105 @@ def run(
                                                            "Run the same command again to resume."),
     as_json: bool = typer.Option(False, "--json", help="Print every stage's outputs as one JSON object at the end."),
 ) -> None:
-    """Get the model, build tasks, evaluate, SFT warm start, asynchronous RL,
-    evaluate again, and write report.html comparing before and after.
+    """Get the model, build tasks, evaluate, SFT warm start, evaluate, asynchronous
+    RL, evaluate again; write summary.json and report.html comparing the three.
 
     Example: atelier run recipes/demo.toml"""
     import json
     import time
 
     from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.text import Text
 
     from atelier.config import load_config
     from atelier.pipeline.config import RunConfig
-    from atelier.pipeline.stages import run_pipeline
+    from atelier.pipeline.stages import STAGES, run_pipeline
 
     config = load_config(RunConfig, recipe, overrides)
     run_dir = out or Path("runs") / recipe.stem
     console = Console(stderr=True, highlight=False)
     start = time.monotonic()
+    view = Progress(TextColumn("{task.description:<12}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TextColumn("{task.fields[note]}"), console=console, transient=False)
+    bars = {stage: view.add_task(stage, total=None, start=False, note="", visible=False) for stage in STAGES}
+    current: list[str] = []
 
     def say(line: str) -> None:
         elapsed = time.monotonic() - start
-        console.print(Text.assemble((f"{int(elapsed // 60):02d}:{int(elapsed % 60):02d} ", "dim"), line))
+        view.console.print(Text.assemble((f"{int(elapsed // 60):02d}:{int(elapsed % 60):02d} ", "dim"), line))
+        if line.startswith("[") and "]" in line:  # a stage line: "[stage] ..." starts it, any other ends it
+            stage, rest = line[1:].split("]", 1)
+            if stage in bars and rest.strip() == "...":
+                current[:] = [stage]
+                view.update(bars[stage], visible=True)
+                view.start_task(bars[stage])
+            elif stage in bars:
+                total = view.tasks[bars[stage]].total
+                view.update(bars[stage], visible=True, total=total or 1, completed=total or 1,
+                            note="done earlier" if "done earlier" in rest else "done")
+                view.stop_task(bars[stage])
+
+    def progress(stage: str, done: int, total: int) -> None:
+        if stage not in bars:  # evaluation progress is labelled by its run directory's name
+            stage = current[0] if current else stage
+        view.update(bars[stage], total=total, completed=done)
 
     console.print(f"atelier run {recipe} → {run_dir}")
-    done = run_pipeline(config, run_dir, recipe_dir=recipe.resolve().parent, say=say)
-    report = done["report"]
-    console.print(f"accuracy on the held-out tasks: before {_pct(report['accuracy_before'])}, "
-                  f"after {_pct(report['accuracy_after'])}")
+    with view:
+        done = run_pipeline(config, run_dir, recipe_dir=recipe.resolve().parent, say=say, progress=progress)
+    summary = json.loads(Path(done["report"]["summary"]).read_text())
+    console.print(final_table(summary))
     if as_json:
         typer.echo(json.dumps(done, indent=1))
-    typer.echo(report["path"])
+    typer.echo(done["report"]["path"])
+
+
+def final_table(summary: dict) -> "Table":
+    """Before / after SFT / after RL, the headline test and the run's peak memory."""
+    from rich.table import Table
+
+    evals = summary["evaluations"]
+    head = summary["headline"]
+    measure = head["measure"]
+    table = Table(title="held-out tasks", caption=_caption(summary))
+    table.add_column("")
+    labels = {"before": "before", "after_sft": "after SFT", "after_rl": "after RL"}
+    keys = [k for k in labels if k in evals]
+    for k in keys:
+        table.add_column(labels[k], justify="right")
+
+    def interval(iv) -> str:
+        return f" [{iv[0]:.2f}, {iv[1]:.2f}]" if iv else ""
+
+    table.add_row("pass rate [95%]", *(_pct(evals[k]["pass_rate"]) + interval(evals[k]["pass_rate_interval_95"])
+                                       for k in keys))
+    table.add_row("best-of-K", *(_pct(evals[k]["best_of_k"]) for k in keys))
+    table.add_row("mean reward", *("n/a" if evals[k]["mean_reward"] is None else f"{evals[k]['mean_reward']:.3f}"
+                                   for k in keys))
+    if measure != "pass":
+        table.add_row(f"{measure} rate [95%]", *(_pct(evals[k][measure]["rate"])
+                                                 + interval(evals[k][measure]["interval_95"]) for k in keys))
+    table.add_row("attempts", *(str(evals[k]["valid_attempts"]) for k in keys))
+    return table
+
+
+def _caption(summary: dict) -> str:
+    head = summary["headline"]
+    parts = []
+    if "p_value" in head:
+        parts.append(f"headline ({head['measure']}, named in the recipe): after RL vs after SFT, "
+                     f"{head['improved']} improved / {head['worsened']} worsened of {head['pairs']} pairs, "
+                     f"one-sided exact McNemar p = {head['p_value']:.4f}"
+                     + (" (significant)" if head["significant"] else " (not significant)"))
+    zero = (summary.get("rl") or {}).get("zero_variance_fraction_all")
+    if zero is not None:
+        parts.append(f"RL groups with zero reward variance: {zero:.0%}")
+    peak = summary.get("peak_rss_mb_run")
+    parts.append(f"peak resident memory (whole process tree): {peak / 1024:.2f} GB" if peak is not None
+                 else "peak memory: not measured (no /proc)")
+    parts.append(f"wall time: {summary.get('wall_s_total', 0) / 60:.1f} min")
+    return "\n".join(parts)
 
 
 def _pct(value: float | None) -> str:

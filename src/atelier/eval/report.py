@@ -162,9 +162,53 @@ def per_task_table(runs: Sequence[RunData], traj_ids: dict[tuple[int, str, int],
     return '<table id="per-task">' + head + "".join(rows) + "</table>"
 
 
+def _interval(iv: Sequence[float] | None) -> str:
+    return f" [{iv[0]:.2f}, {iv[1]:.2f}]" if iv else ""
+
+
+def headline_section(summary: dict[str, Any]) -> str:
+    """The three evaluations of `atelier run` side by side and its pre-registered
+    test (`summary` as `atelier.pipeline.summary.build_summary` makes it)."""
+    evals = summary.get("evaluations", {})
+    head = summary.get("headline", {})
+    measure = head.get("measure", "pass")
+    cols = [("before", "before training"), ("after_sft", "after SFT"), ("after_rl", "after RL")]
+    cols = [(k, label) for k, label in cols if k in evals]
+
+    def row(name: str, cell) -> str:
+        return f"<tr><th>{escape(name)}</th>" + "".join(f"<td>{escape(cell(evals[k]))}</td>" for k, _ in cols) + "</tr>"
+
+    rows = [row("attempts (valid)", lambda e: f"{e['attempts']} ({e['valid_attempts']})"),
+            row("pass rate [95% Wilson]", lambda e: _fmt(e["pass_rate"], ".3f") + _interval(e["pass_rate_interval_95"])),
+            row("best-of-K (tasks solved at least once)", lambda e: _fmt(e["best_of_k"], ".3f")),
+            row("mean reward", lambda e: _fmt(e["mean_reward"], ".3f"))]
+    if measure != "pass":
+        rows.append(row(f"{measure} rate [95% Wilson] (headline)",
+                        lambda e: _fmt(e[measure]["rate"], ".3f") + _interval(e[measure]["interval_95"])))
+    table = ('<table id="headline"><tr><th></th>' + "".join(f"<th>{escape(label)}</th>" for _, label in cols)
+             + "</tr>" + "".join(rows) + "</table>")
+    if "p_value" in head:
+        verdict = "significant" if head.get("significant") else "not significant"
+        test = (f"<p>Headline, named in the recipe before the run: <b>{escape(measure)}</b>, after RL against "
+                f"after SFT, {escape(head['test'])} over {head['pairs']} paired attempts: {head['improved']} "
+                f"improved, {head['worsened']} worsened, one-sided p = {head['p_value']:.4f} "
+                f"(<b>{verdict}</b> at α = {head['alpha']}).</p>")
+    else:
+        test = '<p class="muted">No headline test: an evaluation after SFT or after RL is missing.</p>'
+    rl = summary.get("rl") or {}
+    zero = rl.get("zero_variance_fraction_all")
+    rl_line = (f'<p class="muted">RL: {len(rl.get("steps", []))} steps, {rl.get("groups", 0)} groups trained, '
+               f'{rl.get("zero_variance_groups", 0)} with zero reward variance'
+               + (f" ({zero:.0%})" if zero is not None else "") + "; rewards per step: "
+               + escape(", ".join(_fmt(v) for v in rl.get("reward_mean", []))) + "</p>")
+    return "<h2>Before training, after SFT, after RL</h2>" + table + test + rl_line
+
+
 def build_report(run_dirs: Sequence[str | Path], out: str | Path, *,
-                 max_trajectories: int = MAX_TRAJECTORIES, title: str = "atelier report") -> Path:
-    """Write the page for `run_dirs` to `out` and return its path."""
+                 max_trajectories: int = MAX_TRAJECTORIES, title: str = "atelier report",
+                 headline: dict[str, Any] | None = None) -> Path:
+    """Write the page for `run_dirs` to `out` and return its path; `headline`
+    (an `atelier run` summary) adds its comparison section on top."""
     # Long on purpose: the page's sections in page order, each made by its own function.
     from atelier.eval import plots
     from atelier.eval.viewer import VIEWER_JS, viewer_html
@@ -175,7 +219,8 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, *,
     runs = [run for d in run_dirs for run in discover_runs(d)]
     evals = [r for r in runs if r.metrics is not None]
 
-    sections = [f"<h1>{escape(title)}</h1>", "<h2>Summary</h2>", summary_table(runs)]
+    sections = [f"<h1>{escape(title)}</h1>"] + ([headline_section(headline)] if headline else [])
+    sections += ["<h2>Summary</h2>", summary_table(runs)]
     if evals:
         sections += ["<h2>pass@k</h2>", plots.pass_at_k_plot({r.label: r.metrics.pass_at_k for r in evals})]
         priced = [r for r in evals if r.metrics.median_cost is not None and r.metrics.accuracy is not None]

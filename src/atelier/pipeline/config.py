@@ -41,6 +41,13 @@ class TasksStage(AtelierConfig):
     validate_runs: int = Field(3, ge=1)
     """Each built task's gold patch must pass this many gradings in a row (flaky ones are dropped)."""
     backend: Literal["bwrap", "local"] = "bwrap"
+    max_mutations: int = Field(1, ge=1)
+    """Mutations per task at most; with more than 1 a task may span files,
+    which links tasks together for the file split."""
+    split: Literal["file", "random"] = "file"
+    """"file": held-out tasks share no file (source changed by the gold patch,
+    hidden test file) with training tasks: whole groups of tasks linked by a
+    shared file go to one side. "random": a seeded shuffle of tasks."""
 
     @model_validator(mode="after")
     def _check(self) -> "TasksStage":
@@ -79,6 +86,18 @@ class RlStage(AtelierConfig):
     curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
 
 
+class HeadlineStage(AtelierConfig):
+    """What the run claims, fixed before it starts: after RL against after SFT
+    on `measure` (see `atelier.eval.compare.MEASURES`), by the exact one-sided
+    McNemar test over attempts paired by task and pass."""
+
+    measure: Literal["pass", "edit"] = "pass"
+    """"pass": every target test passes; "edit": the final diff applies and changes something."""
+    alpha: float = Field(0.05, gt=0, lt=1)
+    min_attempts: int = Field(32, ge=1)
+    """Held-out attempts (test tasks x passes) the recipe must provide for the test to be worth running."""
+
+
 class RunConfig(AtelierConfig):
     seed: int = 0
     threads: Optional[int] = Field(None, ge=1)
@@ -90,3 +109,15 @@ class RunConfig(AtelierConfig):
     eval: EvalStage = Field(default_factory=EvalStage)
     sft: SftStage = Field(default_factory=SftStage)
     rl: RlStage = Field(default_factory=RlStage)
+    headline: HeadlineStage = Field(default_factory=HeadlineStage)
+    isolate_stages: bool = True
+    """Run each heavy stage in its own process, so its memory goes back to the
+    system when it ends (the run's peak is the largest stage's, not their sum)."""
+
+    @model_validator(mode="after")
+    def _enough_attempts(self) -> "RunConfig":
+        attempts = self.tasks.test_count * self.eval.passes
+        if attempts < self.headline.min_attempts:
+            raise ValueError(f"tasks.test_count x eval.passes = {attempts} held-out attempts, below "
+                             f"headline.min_attempts ({self.headline.min_attempts})")
+        return self

