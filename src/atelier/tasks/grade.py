@@ -226,7 +226,7 @@ def reporter_run(task: Task, python: str | None, canaries: Canaries,
     args = [*rest, "-p", "no:cacheprovider", "--maxfail=0",
             *task.fail_to_pass, *task.pass_to_pass, *canaries.expected]
     config = {"nonce": nonce, "module": f"_{secrets.token_hex(6)}", "args": args, "script": script,
-              "canary_file": f"{tamper_mod.WORKSPACE}/{canaries.path}",
+              "canary_file": canaries.path,
               "canary_functions": list(canaries.functions)}
     payload = json.dumps({"source": REPORTER_SOURCE, "config": config}).encode()
     return [interpreter, "-I", "-c", reporter.BOOTSTRAP], payload

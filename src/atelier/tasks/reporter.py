@@ -362,12 +362,13 @@ def main(config: dict) -> int:
     guard = Guard()
     shadowed = [name for name in PRELOADED
                 if str(getattr(sys.modules[name], "__file__", "") or "").startswith(cwd.rstrip("/") + "/")]
-    emit("start", pytest=pytest.__version__, python=sys.version.split()[0], shadowed=shadowed)
+    emit("start", pytest=pytest.__version__, python=sys.version.split()[0], shadowed=shadowed, cwd=cwd)
     script = config.get("script")
     sys.path.insert(0, os.path.dirname(script) if script else cwd)
     args = list(config["args"])
     sys.argv = [script or os.path.join(os.path.dirname(pytest.__file__), "__main__.py"), *args]
-    plugin = make_plugin(pytest, emit, guard, cwd, config.get("canary_file"),
+    canary = config.get("canary_file")
+    plugin = make_plugin(pytest, emit, guard, cwd, canary and os.path.join(cwd, canary),
                          list(config.get("canary_functions", ())))
     run = pytest.main
     code = int(run(args, plugins=[plugin]))
