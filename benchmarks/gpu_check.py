@@ -1,6 +1,7 @@
 """One-shot device check: a few RL steps of a small model on whatever GPU is present; one JSON object.
 
     python benchmarks/gpu_check.py [--steps 4] [--ranks N] [--engine auto|builtin|vllm] [--out DIR]
+                                   [--demo-model MODEL_DIR]
 
 What it runs is `atelier train` itself (`run_training`, or the local rank
 launcher when --ranks > 1): the toy environment in sync mode, a model with
@@ -17,6 +18,11 @@ tokens and the checkpointed recomputation count as overhead), peak GPU
 memory per rank, and checks that say
 the path is sound (finite losses, weights that moved, importance weights
 near 1: the trainer and the sampler agree on the logprobs).
+
+With `--demo-model` and a GPU it then runs the main job's GPU recipe
+(`atelier run recipes/demo-gpu.toml` with that model directory) and adds its
+summary (the three evaluations' pass rates, the headline test, wall time,
+peak memory) under "demo_gpu"; the job failing fails the check.
 
 Without a GPU it says so in the JSON ("gpu": null, and a "note"), runs the
 same path on the CPU with the tiny model in fp32 (a smoke test of this script,
@@ -85,6 +91,8 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=0, help="trainer ranks (default: every GPU; 1 on the CPU)")
     parser.add_argument("--engine", default="auto", choices=["auto", "builtin", "vllm"])
     parser.add_argument("--out", default=None, help="keep the run directory here (default: a temporary one)")
+    parser.add_argument("--demo-model", default=None,
+                        help="also run recipes/demo-gpu.toml with this model directory (GPU only)")
     args = parser.parse_args()
 
     import torch
@@ -141,10 +149,31 @@ def main() -> int:
         "every_step_ran": len(rows) == args.steps,
         "trainer_matches_sampler": all(abs(r["is_weight_mean"] - 1.0) < (0.1 if gpu else 0.01) for r in rows[:1]),
     }
+    if args.demo_model:
+        if gpu:
+            report["demo_gpu"] = run_demo_gpu(args.demo_model, Path(args.out or tempfile.mkdtemp()) / "demo-gpu")
+            checks["demo_gpu_ran"] = "error" not in report["demo_gpu"]
+        else:
+            report["demo_gpu"] = {"skipped": "no GPU present"}
     report["checks"] = checks
     report["ok"] = all(checks.values())
     print(json.dumps(report))
     return 0 if report["ok"] else 1
+
+
+def run_demo_gpu(model_dir: str, out: Path) -> dict:
+    """`atelier run recipes/demo-gpu.toml` in a child process; the summary's main figures."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "atelier.cli", "run", str(ROOT / "recipes" / "demo-gpu.toml"),
+           "--set", f"model.name={json.dumps(str(Path(model_dir).resolve()))}", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"error": f"exit status {done.returncode}", "stderr_tail": done.stderr[-2000:]}
+    summary = json.loads((out / "summary.json").read_text())
+    return {"pass_rate": {k: v["pass_rate"] for k, v in summary["evaluations"].items()},
+            "headline": summary["headline"], "wall_s_total": summary["wall_s_total"],
+            "peak_rss_mb_run": summary["peak_rss_mb_run"], "run_dir": str(out)}
 
 
 def _params(model_dir: Path) -> int:
