@@ -2,11 +2,13 @@
 format, loadable by every atelier command), optimizer, RNG states and a
 meta.json (step, task cursor, ledger position).
 
-A checkpoint is written into `step-<k>.tmp` and renamed: the rename is the
-commit point of step k. The slot ledger is its own append-only file; on
-resume, its `trained` events newer than the committed step are undone
-(`Ledger.load(path, committed_step)`), so a sample is never trained twice
-and never lost whatever moment `kill -9` hits.
+A checkpoint is written into `step-<k>.tmp` and renamed; step k is committed
+once its line is in metrics.jsonl, the last write of a step (see
+`atelier.rl.metrics`). A run resumes from the newest checkpoint whose step
+is committed (`committed_checkpoint`); newer ones are deleted. The slot
+ledger is its own append-only file; on resume, its `trained` events newer
+than that step are undone (`Ledger.load(path, committed_step)`), so a sample
+is never trained twice and never lost whatever moment `kill -9` hits.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from atelier.fsio import crash_point
 
 KEEP = 2
 
@@ -36,6 +40,15 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
 
 
+def committed_checkpoint(run_dir: Path, last_committed_step: int) -> Path | None:
+    """The newest checkpoint of a step that is committed (<= the step of the
+    last metrics line); checkpoints beyond it (the process died before the
+    step's line was written) are deleted, and will be written again."""
+    while (ckpt := latest_checkpoint(run_dir)) is not None and read_meta(ckpt)["step"] > last_committed_step:
+        shutil.rmtree(ckpt)
+    return ckpt
+
+
 def save_checkpoint(run_dir: Path, step: int, trainer, tokenizer, meta: dict[str, Any]) -> Path:
     root = checkpoints_dir(run_dir)
     final = root / f"step-{step:06d}"
@@ -46,8 +59,9 @@ def save_checkpoint(run_dir: Path, step: int, trainer, tokenizer, meta: dict[str
     torch.save({"python": random.getstate(), "numpy": np.random.get_state(),
                 "torch": torch.get_rng_state()}, tmp / "rng.pt")
     (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}, indent=1) + "\n")
+    crash_point("checkpoint.before_rename")
     shutil.rmtree(final, ignore_errors=True)
-    tmp.replace(final)
+    tmp.replace(final)  # a directory: atomic_write is for files
     for old in sorted(root.glob("step-*"), key=lambda p: p.name)[:-KEEP]:
         if old != final and not old.name.endswith(".tmp"):
             shutil.rmtree(old, ignore_errors=True)

@@ -1,4 +1,14 @@
-"""Per-step metrics, one JSON line per step in RUN_DIR/metrics.jsonl."""
+"""Per-step metrics, one JSON line per step in RUN_DIR/metrics.jsonl.
+
+A step's line is written after its checkpoint and its published weights,
+just before the ledger marks its slots trained, and it is fsynced: it is
+the step's commit record. On resume, lines beyond the checkpoint the run restarts
+from, and a torn last line, are cut (`truncate_after`), and a checkpoint whose
+line never made it to disk is not resumed from (`atelier.rl.checkpoint.
+committed_checkpoint`): the step is trained again and writes its line then.
+So the file holds each committed step once, in order, whatever moment
+`kill -9` hits.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from atelier.errors import AtelierError
+from atelier.fsio import append_line, atomic_write
 from atelier.rl.advantages import group_stats
 from atelier.rl.reconciler import Batch
 from atelier.tasks.tamper import is_tampered
@@ -18,8 +29,22 @@ class MetricsWriter:
         self.path = path
 
     def write(self, record: dict[str, Any]) -> None:
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        append_line(self.path, json.dumps(record))
+
+    def last_step(self) -> int:
+        """The step of the last whole line (0 when there is none)."""
+        rows = self.read_all()
+        return rows[-1]["step"] if rows else 0
+
+    def truncate_after(self, step: int) -> None:
+        """Keep the whole lines of steps up to `step`; drop the rest and a torn
+        last line (a crash mid-write), in one atomic replace."""
+        if not self.path.exists():
+            return
+        rows = self.read_all()
+        kept = [r for r in rows if r["step"] <= step]
+        if len(kept) != len(rows) or self.path.read_text(encoding="utf-8").count("\n") != len(rows):
+            atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def read_all(self) -> list[dict[str, Any]]:
         if not self.path.exists():
@@ -31,6 +56,16 @@ class MetricsWriter:
             except json.JSONDecodeError:
                 break
         return rows
+
+
+def committed_counts(ledger, batch: Batch) -> dict[str, int]:
+    """The ledger's counts as the step commits them: the batch's slots
+    `trained` (the metrics line is written just before the ledger says so)."""
+    counts = ledger.counts()
+    moved = sum(ledger.slots[sid].state == "ready" for sid in batch.slot_ids)
+    counts["ready"] -= moved
+    counts["trained"] += moved
+    return counts
 
 
 def step_metrics(*, step: int, batch: Batch, ledger_counts: dict[str, int], train: dict[str, Any], sync,

@@ -4,15 +4,23 @@ The driver is the trainer's thread:
 
     while (batch := reconciler.next_batch()) is not None:   # waits = trainer idle
         metrics = trainer.train_step(samples of batch)       # rollouts keep running
-        checkpoint (every N steps; the rename commits the step)
+        checkpoint (every N steps)
         weight_sync.publish(weights, step); backend.update_weights(step)
+        metrics.jsonl += the step's line                     # commits the step
         reconciler.commit(batch, step)                       # ledger: trained; admit more
 
 Order matters: the checkpoint (which lists the batch's slots) is written
 before the ledger marks them trained, and weights are live in the engine
-before the reconciler admits groups at the new version. A `kill -9` between
-any two lines resumes exactly: see `atelier.rl.checkpoint` and
-`atelier.rl.ledger`.
+before the reconciler admits groups at the new version. The step's line in
+metrics.jsonl is its commit record: a run resumes from the newest checkpoint
+whose line is written. It comes before `reconciler.commit`, so that nothing a
+resumed run throws away (a checkpoint, published weights) was ever built on:
+no group is admitted at version k before step k is committed, and the
+checkpoint's `trained_slots` stand in for ledger events that a kill cut off.
+A `kill -9` between any two lines resumes exactly: see
+`atelier.rl.checkpoint`, `atelier.rl.ledger` and `atelier.rl.metrics`; each
+line is a named crash point (`atelier.fsio.crash_point`) where the tests
+kill the run.
 
 The named steps, in the order `run_training` calls them: `open_run`
 (`prepare_run_dir`, `restore_trainer`, `restore_ledger`, the weight sync
@@ -42,12 +50,13 @@ from typing import Any, Callable, Iterator
 
 from atelier.config import dump_config
 from atelier.errors import AtelierError
-from atelier.rl.checkpoint import latest_checkpoint, read_meta, restore_rng, save_checkpoint
+from atelier.fsio import atomic_write, crash_point
+from atelier.rl.checkpoint import committed_checkpoint, latest_checkpoint, read_meta, restore_rng, save_checkpoint
 from atelier.rl.config import TrainConfig
 from atelier.rl.curriculum import Curriculum
 from atelier.rl.env import make_environment
 from atelier.rl.ledger import Ledger
-from atelier.rl.metrics import MetricsWriter, make_loggers, step_metrics
+from atelier.rl.metrics import MetricsWriter, committed_counts, make_loggers, step_metrics
 from atelier.rl.reconciler import Batch, Reconciler
 from atelier.rl.weight_sync import WeightSync, make_weight_sync
 
@@ -177,7 +186,9 @@ def open_run(config: TrainConfig, run_dir: Path, resume: bool, ranks=None, comma
     started = time.perf_counter()
     prepare_run_dir(config, run_dir, resume)
     loggers = make_loggers(config.loggers, run_dir, config.model_dump(mode="json"))
-    ckpt = latest_checkpoint(run_dir) if resume else None
+    metrics = MetricsWriter(run_dir / "metrics.jsonl")
+    ckpt = committed_checkpoint(run_dir, metrics.last_step()) if resume else None
+    metrics.truncate_after(read_meta(ckpt)["step"] if ckpt else 0)
     for_vllm = config.inference.engine == "vllm"
     model_path = ckpt / "model" if ckpt else resolve_or_build_tiny(config.model, run_dir, seed=config.seed,
                                                                    for_vllm=for_vllm)
@@ -196,7 +207,7 @@ def open_run(config: TrainConfig, run_dir: Path, resume: bool, ranks=None, comma
                             rollouts_dir=run_dir / "rollouts", seed=config.seed, version=trainer.step,
                             total_steps=config.trainer.steps)
     return Run(config, run_dir, trainer, _tokenizer(model_path), ledger, weights, backend, reconciler,
-               MetricsWriter(run_dir / "metrics.jsonl"), loggers, started=started)
+               metrics, loggers, started=started)
 
 
 def restore_trainer(config: TrainConfig, model_path: Path, ckpt: Path | None, ranks=None, commands=None):
@@ -244,22 +255,27 @@ def train_step(run: Run, batch: Batch, *, idle_s: float) -> dict[str, Any]:
     config, trainer = run.config, run.trainer
     train = trainer.train_step(batch.samples())
     step = trainer.step
+    crash_point("rl.after_train")
     if step % config.trainer.checkpoint_every == 0:
         save_checkpoint(run.run_dir, step, trainer, run.tokenizer,
                         {"trained_slots": batch.slot_ids, "cursor": sorted(run.ledger.task_ids())})
+        crash_point("rl.after_checkpoint")
     sync = run.weights.publish(_published(trainer.state_dict(), config.sync.dtype), step)
+    crash_point("rl.after_publish")
     swap_from = time.perf_counter()
     run.backend.update_weights(step)
     engine_swap_s = time.perf_counter() - swap_from
-    run.reconciler.commit(batch, step)
     busy_s = time.perf_counter() - busy_from
     run.idle_s += idle_s
     run.busy_s += busy_s
-    record = step_metrics(step=step, batch=batch, ledger_counts=run.ledger.counts(), train=train,
-                          sync=sync, engine_swap_s=engine_swap_s,
+    record = step_metrics(step=step, batch=batch, ledger_counts=committed_counts(run.ledger, batch),
+                          train=train, sync=sync, engine_swap_s=engine_swap_s,
                           counters=run.reconciler.take_counters(), idle_s=idle_s, busy_s=busy_s,
                           wall_s=time.perf_counter() - run.started, mode=config.rollout.mode)
-    run.metrics.write(record)
+    run.metrics.write(record)  # commits the step
+    crash_point("rl.after_metrics")
+    run.reconciler.commit(batch, step)
+    crash_point("rl.after_ledger_commit")
     return record
 
 
@@ -283,7 +299,7 @@ def write_summary(run: Run) -> TrainSummary:
         gen_tokens_per_s=sum(r["gen_tokens"] for r in rows) / max(sum(r["interval_s"] for r in rows), 1e-9)
         if rows else 0.0,
         ledger=run.ledger.counts(), checkpoint=str(latest_checkpoint(run.run_dir) or "") or None, metrics=rows)
-    (run.run_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=1) + "\n")
+    atomic_write(run.run_dir / "summary.json", json.dumps(summary.to_dict(), indent=1) + "\n")
     return summary
 
 
