@@ -105,3 +105,20 @@ def test_a_rank_that_dies_stops_the_job_with_a_message(tmp_path):
     with pytest.raises(RankFailed) as info:
         run_ranks([str(script)], 2)
     assert "rank 1 of 2 exited with status 3" in str(info.value)
+
+
+def test_a_recipe_asking_for_ranks_needs_the_ranks_started(tmp_path, tiny_model_dir):
+    """Calling the training functions directly with ranks > 1 (no launcher) is a clear user error."""
+    from atelier.config import load_config
+    from atelier.pretrain.config import PretrainConfig
+    from atelier.pretrain.train import run_pretrain
+    from atelier.rl.config import TrainConfig
+    from atelier.rl.run import run_training
+
+    config = load_config(TrainConfig, None, [f"model={tiny_model_dir}", "trainer.ranks=2"])
+    with pytest.raises(D.DistributedError, match="trainer.ranks = 2 but this process is one of 1"):
+        run_training(config, tmp_path / "rl")
+    pre = PretrainConfig(model=str(tiny_model_dir), ranks=2,
+                         phases=[{"name": "sft", "kind": "sft", "steps": 1, "seq_len": 8, "chat": ["x.jsonl"]}])
+    with pytest.raises(D.DistributedError, match="ranks = 2 but this process is one of 1"):
+        run_pretrain(pre, tmp_path / "pre")

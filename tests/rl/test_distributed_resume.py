@@ -42,6 +42,7 @@ def _rank_pid(launcher: int, rank: int) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # a hang guard only: two runs of two ranks on a loaded 2-core machine
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find the rank processes")
 @pytest.mark.parametrize("victim", [0, 1])
 def test_kill_9_of_one_rank_stops_the_job_then_resume_trains_every_sample_once(tmp_path, victim):

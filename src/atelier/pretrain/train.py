@@ -66,6 +66,10 @@ def run_pretrain(config: PretrainConfig, run_dir: str | Path, *, resume: bool = 
     from atelier.pretrain.modeling import load_model_and_tokenizer, scale_rope_theta
 
     run_dir = Path(run_dir)
+    if D.env_world() != config.ranks and (D.env_world() > 1 or config.ranks > 1):
+        raise D.DistributedError(f"ranks = {config.ranks} but this process is one of {D.env_world()} rank(s)",
+                                 hint="let `atelier pretrain` start the ranks (it reads `ranks`), or give "
+                                      "torchrun --nproc-per-node equal to ranks")
     ranks = D.init_ranks(config.device, config.timeout_s)
     checkpoint = _prepare_run_dir(config, run_dir, resume, write=ranks.main)
     D.barrier(ranks)
