@@ -157,9 +157,10 @@ def _chunk_logprobs(hidden_BCH: torch.Tensor, weight_VH: torch.Tensor, bias_V: t
     picked_BC = logits_BCV.gather(-1, targets_BC[..., None]).squeeze(-1) - lse_BC
     if not want_entropy:
         return picked_BC, torch.zeros_like(picked_BC)
-    with torch.no_grad():
-        p_BCV = torch.softmax(logits_BCV, dim=-1)
-        ent_BC = lse_BC.detach() - (p_BCV * logits_BCV.detach()).sum(-1)
+    with torch.no_grad():   # H = lse - sum_v p_v * logit_v, with p from the lse already computed
+        lse = lse_BC.detach()
+        p_BCV = torch.exp(logits_BCV.detach() - lse[..., None])
+        ent_BC = lse - (p_BCV * logits_BCV.detach()).sum(-1)
     return picked_BC, ent_BC
 
 
