@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -63,7 +63,7 @@ class Stage:
 
     def __init__(self, host_id: int | None) -> None:
         self.host_id = host_id
-        self._items: list[tuple[str, list[int] | None]] = []
+        self._items: list[tuple[str, tuple[int, int] | None]] = []
 
     def source(self, path: str | os.PathLike, *, idmap: bool = False) -> str:
         """Where bwrap finds `path`. With `idmap`, the files of `path`'s owner
@@ -74,16 +74,21 @@ class Stage:
         owner = None
         if idmap:
             st = os.stat(path)
-            owner = [st.st_uid, st.st_gid]
+            owner = (st.st_uid, st.st_gid)
         self._items.append((path, owner))
         return f"{STAGE_DIR}/{len(self._items) - 1}"
 
     def launch(self, argv: list[str], copy_index: int | None = None) -> list[str]:
         if self.host_id is None:
             return argv
-        spec = {"uid": self.host_id, "gid": self.host_id, "stage": self._items,
-                "argv": argv, "copy_index": copy_index}
-        return [sys.executable, "-I", "-S", STAGER, json.dumps(spec)]
+        program = shutil.which(argv[0])
+        if program is None:
+            raise SandboxUnavailable(f"{argv[0]} not found on PATH")
+        out = [sys.executable, "-I", "-S", STAGER, str(self.host_id), str(self.host_id),
+               str(-1 if copy_index is None else copy_index), str(len(self._items))]
+        for source, owner in self._items:
+            out += [source, *(map(str, owner) if owner else ("-", "-"))]
+        return [*out, "--", program, *argv[1:]]
 
 
 _libc = ctypes.CDLL(None, use_errno=True)

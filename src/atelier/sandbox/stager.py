@@ -1,12 +1,16 @@
 """Start bubblewrap for root without host root: stage the mounts, then drop.
 
-Run as its own program (``python -I -S stager.py SPEC``), by host root, just
-before bwrap; it imports nothing but the standard library, so it starts in
-tens of milliseconds. SPEC is JSON: ``uid``/``gid`` (the unprivileged host
-ids to become), ``stage`` (``[source, owner]`` pairs, ``owner`` a
-``[uid, gid]`` to map to those ids or null), ``argv`` (bwrap's) and
-``copy_index`` (the argument of ``argv`` to set to ``copy`` if an idmapped
-mount is refused).
+Run as its own program by host root, just before bwrap:
+
+    python -I -S stager.py UID GID COPY_INDEX N [SOURCE OWNER_UID OWNER_GID]*N -- BWRAP_ARGV...
+
+UID/GID are the unprivileged host ids to become; each SOURCE is staged, and
+when OWNER_UID/OWNER_GID are not ``-`` its files of that owner appear to
+belong to UID/GID (an idmapped mount); BWRAP_ARGV[COPY_INDEX] is set to
+``copy`` if an idmapped mount is refused (``-1``: none). It imports only
+``os``, ``sys`` and ``ctypes`` (no ``json``, ``re`` or ``shutil``: every
+sandbox that root creates pays for this interpreter's start, so it is kept
+to one short start).
 
 Why a program of its own: bwrap will run as the unprivileged uid, which cannot
 reach sources under directories only root may enter (root's home, pytest's
@@ -32,9 +36,7 @@ Exit code 90 with a message on stderr when a step fails.
 from __future__ import annotations
 
 import ctypes
-import json
 import os
-import shutil
 import sys
 
 SYS_OPEN_TREE, SYS_MOVE_MOUNT, SYS_MOUNT_SETATTR = 428, 429, 442  # the same on every architecture
@@ -123,18 +125,32 @@ def _clone(source: str, owner: tuple[int, int] | None, uid: int, gid: int) -> tu
     return fd, True
 
 
-def stage(spec: dict) -> list[str]:
+def parse_args(args: list[str]) -> tuple[int, int, int, list[tuple[str, tuple[int, int] | None]], list[str]]:
+    """(uid, gid, copy_index, [(source, owner or None)], bwrap argv) from the
+    command line described in the module docstring."""
+    uid, gid, copy_index, n = (int(a) for a in args[:4])
+    items = []
+    for i in range(n):
+        source, owner_uid, owner_gid = args[4 + 3 * i: 7 + 3 * i]
+        items.append((source, None if owner_uid == "-" else (int(owner_uid), int(owner_gid))))
+    rest = args[4 + 3 * n:]
+    if not rest or rest[0] != "--" or len(rest) < 2:
+        raise StageError("expected -- and bwrap's argv after the sources")
+    return uid, gid, copy_index, items, rest[1:]
+
+
+def stage(uid: int, gid: int, copy_index: int, items: list[tuple[str, tuple[int, int] | None]],
+          argv: list[str]) -> list[str]:
     """Do steps 1 and 2; return bwrap's argv (its workspace mode set to
     `copy` when an idmapped mount was refused)."""
-    uid, gid = spec["uid"], spec["gid"]
     _check(_libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     _check(_libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "make / private")
-    argv = list(spec["argv"])
+    argv = list(argv)
     clones = []
-    for source, owner in spec["stage"]:
-        fd, mapped = _clone(source, tuple(owner) if owner else None, uid, gid)
-        if owner and not mapped and spec.get("copy_index") is not None:
-            argv[spec["copy_index"]] = "copy"
+    for source, owner in items:
+        fd, mapped = _clone(source, owner, uid, gid)
+        if owner and not mapped and copy_index >= 0:
+            argv[copy_index] = "copy"
         clones.append((fd, os.path.isdir(source)))
     _check(_libc.mount(b"tmpfs", STAGE_DIR.encode(), b"tmpfs", 0, b"mode=0755"), f"tmpfs on {STAGE_DIR}")
     for i, (fd, is_dir) in enumerate(clones):
@@ -150,20 +166,18 @@ def stage(spec: dict) -> list[str]:
 
 
 def main() -> None:
-    spec = json.loads(sys.argv[1])
     try:
-        argv = stage(spec)
-        # Resolved while still root: afterwards this interpreter may not even
-        # read its own library (it may live in root's home).
-        program = shutil.which(argv[0])
-        if program is None:
-            raise StageError(f"{argv[0]} not found on PATH")
+        uid, gid, copy_index, items, argv = parse_args(sys.argv[1:])
+        argv = stage(uid, gid, copy_index, items, argv)
         os.chdir("/")
         os.setgroups([])
-        os.setresgid(spec["gid"], spec["gid"], spec["gid"])
-        os.setresuid(spec["uid"], spec["uid"], spec["uid"])
-        os.execv(program, argv)
-    except (StageError, OSError) as exc:
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+        # argv[0] is an absolute path (resolved by the caller): this
+        # interpreter may no longer read its own library (root's home), so
+        # nothing may be imported from here on.
+        os.execv(argv[0], argv)
+    except (StageError, OSError, ValueError) as exc:
         print(f"atelier-stager: {exc}", file=sys.stderr)
         sys.exit(90)
 
