@@ -155,6 +155,12 @@ def main() -> int:
             checks["demo_gpu_ran"] = "error" not in report["demo_gpu"]
         else:
             report["demo_gpu"] = {"skipped": "no GPU present"}
+    if gpu:   # the low-precision MoE kernels, compiled: bit-exact quantisers, GEMM bounds, TFLOP/s
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from moe_kernels import run as moe_kernels
+
+        report["moe_kernels"] = moe_kernels([])
+        checks["moe_kernels_match_reference"] = bool(report["moe_kernels"]["ok"])
     report["checks"] = checks
     report["ok"] = all(checks.values())
     print(json.dumps(report))

@@ -18,7 +18,10 @@ backward and quantised again there (the straight-through estimator: the
 gradient of the quantiser is taken as the identity). Q_f and Q_b come from
 the recipe: "nvfp4_fwd_mxfp8_bwd" (the report's), "mxfp8" (both), the
 per-tensor-scale variant of the first (kept to show its batch variance),
-and "none" (no quantisation, float32: what the gradient checks run through).
+the first with reciprocal-multiply division (kept to count what exact
+division changes), "bf16_operands" (operands rounded to bfloat16, float32
+accumulation: the baseline of the precision experiment) and "none" (no
+quantisation, float32: what the gradient checks run through).
 
 `backend="reference"` runs `atelier.kernels.quant` in PyTorch (any device);
 "triton" runs `atelier.kernels.triton_ops`; "auto" takes Triton for CUDA
@@ -42,8 +45,8 @@ class Recipe:
     """Formats of the forward GEMM and of both backward GEMMs."""
 
     name: str
-    forward: Literal["nvfp4", "mxfp8", "none"]
-    backward: Literal["mxfp8", "none"]
+    forward: Literal["nvfp4", "mxfp8", "bf16", "none"]
+    backward: Literal["mxfp8", "bf16", "none"]
     scale: ScaleGranularity = "token"
     division: Division = "exact"
     options: dict = field(default_factory=dict, compare=False, repr=False)
@@ -58,6 +61,7 @@ class Recipe:
 
 RECIPES: dict[str, Recipe] = {
     "none": Recipe("none", "none", "none"),
+    "bf16_operands": Recipe("bf16_operands", "bf16", "bf16"),
     "mxfp8": Recipe("mxfp8", "mxfp8", "mxfp8"),
     "nvfp4_fwd_mxfp8_bwd": Recipe("nvfp4_fwd_mxfp8_bwd", "nvfp4", "mxfp8"),
     "nvfp4_tensor_fwd_mxfp8_bwd": Recipe("nvfp4_tensor_fwd_mxfp8_bwd", "nvfp4", "mxfp8", scale="tensor"),
@@ -88,14 +92,29 @@ def grouped_mm_reference(a_MR: torch.Tensor, b_ERN: torch.Tensor, offsets: torch
                          **options) -> torch.Tensor:
     """C_MN, per group g: Q(A[g]) @ Q(B[g]), both quantised along R; float32.
 
-    With `scale="tensor"` (NVFP4) one scale covers all of A, and one each B[g]."""
-    a_q = fake_quant(a_MR, fmt, **options)            # per-token scales are per row: same as per group
-    c = a_MR.new_zeros((a_MR.shape[0], b_ERN.shape[2]), dtype=a_q.dtype)
-    for g in range(b_ERN.shape[0]):
+    Each operand is quantised in one call (per-token and per-block scales do
+    not cross rows, so this equals quantising group by group); with
+    `scale="tensor"` (NVFP4) one scale covers all of A, and one all of B."""
+    E, R, N = b_ERN.shape
+    a_q = fake_quant(a_MR, fmt, **options)
+    b_q = fake_quant(b_ERN.transpose(1, 2).reshape(E * N, R), fmt, **options).reshape(E, N, R).transpose(1, 2)
+    c = a_MR.new_zeros((a_MR.shape[0], N), dtype=a_q.dtype)
+    for g in range(E):
         s, e = int(offsets[g]), int(offsets[g + 1])
         if e > s:
-            c[s:e] = a_q[s:e] @ fake_quant(b_ERN[g], fmt, dim=0, **options)
+            c[s:e] = a_q[s:e] @ b_q[g]
     return c
+
+
+def _padded_rows(offsets: torch.Tensor, block: int) -> tuple[torch.Tensor, list[int]]:
+    """Where each row goes when every group is padded to a multiple of `block` rows, and the
+    padded groups' starts (E + 1 entries)."""
+    counts = (offsets[1:] - offsets[:-1]).tolist()
+    starts = [0]
+    for n in counts:
+        starts.append(starts[-1] + -(-n // block) * block)
+    dest = torch.cat([torch.arange(n) + starts[g] for g, n in enumerate(counts)]) if counts else torch.empty(0)
+    return dest.long(), starts
 
 
 def grouped_wgrad_reference(a_MN: torch.Tensor, b_MK: torch.Tensor, offsets: torch.Tensor, fmt: str,
@@ -104,22 +123,23 @@ def grouped_wgrad_reference(a_MN: torch.Tensor, b_MK: torch.Tensor, offsets: tor
     that start at the group's first row (the last block zero-padded); float32."""
     E = offsets.numel() - 1
     work = torch.float64 if fmt == "none" and a_MN.dtype == torch.float64 else torch.float32
-    c = a_MN.new_zeros((E, a_MN.shape[1], b_MK.shape[1]), dtype=work)
-    block = 32 if fmt == "mxfp8" else 16
+    block = 32 if fmt == "mxfp8" else 16   # padding rows are zeros: harmless for every format
+    dest, starts = _padded_rows(offsets.cpu(), block)
+    dest = dest.to(a_MN.device)
+    a_pad = a_MN.new_zeros((starts[-1], a_MN.shape[1]), dtype=work).index_copy_(0, dest, a_MN.to(work))
+    b_pad = b_MK.new_zeros((starts[-1], b_MK.shape[1]), dtype=work).index_copy_(0, dest, b_MK.to(work))
+    a_q = fake_quant(a_pad, fmt, dim=0, **options)
+    b_q = fake_quant(b_pad, fmt, dim=0, **options)
+    c = a_MN.new_zeros((E, a_MN.shape[1], b_MK.shape[1]), dtype=a_q.dtype)
     for g in range(E):
-        s, e = int(offsets[g]), int(offsets[g + 1])
-        if e == s:
-            continue
-        pad = (-(e - s)) % block
-        a_g = torch.nn.functional.pad(a_MN[s:e].to(work), (0, 0, 0, pad))
-        b_g = torch.nn.functional.pad(b_MK[s:e].to(work), (0, 0, 0, pad))
-        c[g] = fake_quant(a_g, fmt, dim=0, **options).t() @ fake_quant(b_g, fmt, dim=0, **options)
+        if starts[g + 1] > starts[g]:
+            c[g] = a_q[starts[g]:starts[g + 1]].t() @ b_q[starts[g]:starts[g + 1]]
     return c
 
 
 def grouped_mm(a_MR, b_ERN, offsets, fmt: str, backend: Backend = "auto", **options) -> torch.Tensor:
-    if fmt == "none":
-        return grouped_mm_reference(a_MR, b_ERN, offsets, "none")
+    if fmt in ("none", "bf16"):
+        return grouped_mm_reference(a_MR, b_ERN, offsets, fmt)
     if _use_triton(a_MR, backend) and options.get("scale", "token") == "token" \
             and options.get("division", "exact") == "exact":
         from atelier.kernels.triton_ops import grouped_mm_triton

@@ -170,10 +170,12 @@ def mxfp8_dequantize(t: MXFP8Tensor) -> torch.Tensor:
 def fake_quant(x: torch.Tensor, fmt: str, dim: int = -1, **options) -> torch.Tensor:
     """dequantize(quantize(x)) along `dim` of a 2-D tensor, float32.
 
-    `fmt`: "nvfp4" or "mxfp8" (or "none": x as float32); `options`:
+    `fmt`: "nvfp4", "mxfp8", "bf16" (rounded to bfloat16) or "none" (x as float32); `options`:
     `division` (both), `scale` (nvfp4). The layout is kept."""
     if fmt == "none":
         return x if x.dtype == torch.float64 else x.float()   # float64 for gradient checks
+    if fmt == "bf16":
+        return x.bfloat16().float()                            # what a bf16 tensor core multiplies
     moved = x.transpose(0, 1) if dim in (0, -2) else x
     if fmt == "nvfp4":
         out = nvfp4_dequantize(nvfp4_quantize(moved, **options))

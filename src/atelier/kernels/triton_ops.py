@@ -65,9 +65,16 @@ def _decode(code, MBITS: tl.constexpr, BIAS: tl.constexpr, SIGN_SHIFT: tl.conste
     e_field = mag >> MBITS
     m = mag & ((1 << MBITS) - 1)
     normal = (((e_field - BIAS + 127) << 23) | (m << (23 - MBITS))).to(tl.float32, bitcast=True)
-    subnormal = m.to(tl.float32) * (2.0 ** (1 - BIAS - MBITS))
+    # m * 2**(1 - BIAS - MBITS), built as float32 bits (exact; no float pow in a kernel)
+    sub_unit = tl.full(m.shape, (127 + 1 - BIAS - MBITS) << 23, tl.int32).to(tl.float32, bitcast=True)
+    subnormal = m.to(tl.float32) * sub_unit
     value = tl.where(e_field > 0, normal, subnormal)
     return tl.where(sign == 1, -value, value)
+
+
+@triton.jit
+def _nan_like(x):
+    return tl.full(x.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -96,7 +103,7 @@ def _e8m0_value(code):
 def _token_scale(amax, any_nonfinite):
     s = tl.math.div_rn(amax, tl.full(amax.shape, 2688.0, tl.float32))
     s = tl.where(s == 0, 1.0, s)
-    return tl.where(any_nonfinite, float("nan"), s)
+    return tl.where(any_nonfinite, _nan_like(s), s)
 
 
 @triton.jit
@@ -131,7 +138,7 @@ def _mxfp8_tile(x, BM: tl.constexpr):
     code = _encode(tl.math.div_rn(x, X[:, None]), 3, -6, 0x7E, 7)
     code = tl.where(block_finite[:, None], code, 0)
     scale_code = tl.where(block_finite, scale_code, 0xFF)
-    X = tl.where(block_finite, X, float("nan"))
+    X = tl.where(block_finite, X, _nan_like(X))
     return code, scale_code, _decode(code, 3, 7, 7), X
 
 
