@@ -221,3 +221,22 @@ def test_summary_keys_when_the_report_stage_has_not_run(tmp_path: Path) -> None:
     summary = build_summary(tmp_path, {}, measure="pass", alpha=0.05)
     assert summary["evaluations"] == {} and "p_value" not in summary["headline"]
     assert "No headline test" in headline_section(summary)
+
+
+def test_every_rl_option_of_atelier_train_is_an_rl_option_of_atelier_run(tmp_path: Path) -> None:
+    """[rl] is `atelier train`'s config less what the pipeline fills in, and reaches the RL stage whole."""
+    from atelier.config import load_config
+    from atelier.pipeline.config import RlStage, RunConfig
+    from atelier.pipeline.stages import rl_train_config
+    from atelier.rl.config import EnvConfig, TrainConfig
+
+    # model, seed, env: the SFT stage's model, the run's seed, the train split; inference: the run's own.
+    assert set(TrainConfig.model_fields) - set(RlStage.model_fields) <= {"model", "seed", "env", "inference"}
+    path = tmp_path / "r.toml"
+    path.write_text(RECIPE.replace('version = ""\n', ""))
+    config = load_config(RunConfig, path, ["rl.loggers=[tensorboard]", "rl.rollout.retry_backoff_s=0.5",
+                                           "rl.curriculum.window=3", "seed=7"])
+    train = rl_train_config(config, model="m", env=EnvConfig())
+    assert train.loggers == ["tensorboard"] and train.rollout.retry_backoff_s == 0.5
+    assert train.curriculum.window == 3 and train.trainer.steps == 1 and train.seed == 7
+

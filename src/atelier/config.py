@@ -205,7 +205,30 @@ def _describe(err: Any, key: str, parent: Any) -> tuple[str, str | None]:
         close = difflib.get_close_matches(str(got), re.findall(r"'([^']*)'", allowed), n=1)
         message = f"invalid value {got!r} for '{key}'; allowed values: {allowed}"
         return message, (f"did you mean '{close[0]}'?" if close else None)
-    return f"invalid value {got!r} for '{key}': {err['msg'].removeprefix('Value error, ')}", None
+    shown = f"{got!r} " if not isinstance(got, (dict, list)) or len(repr(got)) <= 80 else ""
+    return f"invalid value {shown}for '{key}': {err['msg'].removeprefix('Value error, ')}", (
+        None if kind == "value_error" else _fix(key, parent))  # a validator's own message says the fix
+
+
+def _fix(key: str, parent: Any) -> str | None:
+    """How to write `key` right: a section's form, or its default as an example value.
+    (Named `_fix`, not a hint per pydantic error type: the default shows type and range at once.)"""
+    import json
+
+    from pydantic_core import PydanticUndefined
+
+    field = _fields(parent).get(key.rsplit(".", 1)[-1])
+    if field is None:
+        return None
+    if any(_fields(m) for m in _members(field.annotation)):
+        return f"'{key}' is a section: write [{key}] in the recipe, or --set {key}.KEY=VALUE"
+    if field.default is PydanticUndefined and field.default_factory is None:
+        return None
+    try:
+        example = json.dumps(field.get_default(call_default_factory=True))
+    except (TypeError, ValueError):
+        return None
+    return f"set '{key}' to a value like its default, {example}"
 
 
 def _origin(key: str, path: str | Path | None, origins: dict[str, str]) -> str:

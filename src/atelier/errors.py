@@ -20,3 +20,26 @@ class AtelierError(Exception):
         if self.hint:
             return f"{self.message}\n  hint: {self.hint}"
         return self.message
+
+
+class InfraError(Exception):
+    """The infrastructure, not the policy or the code, failed: a sandbox died or
+    could not start, the grader timed out, the engine or server is unreachable,
+    memory ran out. Retried with backoff and never scored (`atelier.failures`)."""
+
+
+class BugError(Exception):
+    """A failure that is neither the infrastructure's nor the model's stopped a
+    run. `message` names where (the slot and task, or the attempt), `hint`
+    where the traceback went and how to resume once it is fixed; the CLI
+    prints both and exits with status 1, without a traceback."""
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        if self.hint:
+            return f"{self.message}\n  hint: {self.hint}"
+        return self.message

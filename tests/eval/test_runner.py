@@ -89,7 +89,7 @@ class Down:
 def test_infra_errors_are_counted_apart_retried_and_resumed(suite: Path, tmp_path: Path, env_cache: str) -> None:
     task = load_tasks(suite / "calc-add")
     out = tmp_path / "run"
-    first = run_eval(Flaky(failures=2), task, out, config=config(env_cache, infra_retries=1))
+    first = run_eval(Flaky(failures=2), task, out, config=config(env_cache, infra_retries=1, retry_backoff_s=0.01))
     m = first.metrics
     assert (m.infra_errors, m.infra_error_attempts, m.valid_attempts) == (1, 2, 0)
     assert m.accuracy is None and m.infra_error_types == {"ConnectionError": 1}
@@ -102,6 +102,28 @@ def test_infra_errors_are_counted_apart_retried_and_resumed(suite: Path, tmp_pat
     assert (again.ran, again.skipped) == (1, 0)
     assert again.metrics.infra_errors == 0 and again.metrics.accuracy == 0.0
     assert again.metrics.infra_error_attempts == 2
+
+
+class Buggy(ScriptedPolicy):
+    """A policy with a plain bug: not an outage, so the evaluation stops at once."""
+
+    def for_task(self, task):
+        raise KeyError("a plain bug")
+
+
+def test_a_bug_stops_the_evaluation_names_the_attempt_and_a_rerun_finishes_it(
+        suite: Path, tmp_path: Path, env_cache: str) -> None:
+    from atelier.errors import BugError
+
+    task = load_tasks(suite / "calc-add")
+    out = tmp_path / "run"
+    with pytest.raises(BugError, match=r"attempt calc-add pass 0 failed with a bug.*KeyError") as info:
+        run_eval(Buggy("scripted:empty", empty_texts), task, out, config=config(env_cache, infra_retries=3))
+    assert "failures.log" in info.value.hint
+    assert read_records(out) == []                       # not recorded, not retried, not scored
+    assert "Traceback (most recent call last)" in (out / "failures.log").read_text()
+    again = run_eval(ScriptedPolicy("scripted:empty", empty_texts), task, out, config=config(env_cache))
+    assert (again.ran, again.skipped, again.metrics.valid_attempts) == (1, 0, 1)
 
 
 def test_a_killed_cli_run_resumes(suite: Path, tmp_path: Path, env_cache: str,

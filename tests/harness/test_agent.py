@@ -114,13 +114,34 @@ def test_max_turns_ends_the_loop_and_the_trajectory_is_kept(sandbox, tokenizer, 
     assert Trajectory.load(traj.save(tmp_path / "t.json")).exit_reason == "max_turns"
 
 
+class EngineDiesAfterScript(ScriptedModel):
+    """A token model whose engine is closed once its script is played (an infrastructure failure)."""
+
+    def generate(self, prompt_ids, params):
+        from atelier.inference.engine import EngineClosed
+
+        if self.remaining == 0:
+            raise EngineClosed("the engine is closed")
+        return super().generate(prompt_ids, params)
+
+
 def test_token_budget_and_errors_end_with_a_reason(sandbox, tokenizer):
     script = [fc("edit_file", FIX)] + [fc("list_dir", {})] * 5
     traj = run_episode(ScriptedModel(tokenizer, script), sandbox, "go", config=AgentConfig(max_tokens=60))
     assert traj.exit_reason == "max_tokens"
-    exhausted = run_episode(ScriptedModel(tokenizer, [fc("edit_file", FIX)]), sandbox.fork(), "go")
-    assert exhausted.exit_reason == "error" and exhausted.error.startswith("ScriptExhausted")
-    assert "+    return a + b" in exhausted.final_diff  # the diff is filled whatever happens
+    died = run_episode(EngineDiesAfterScript(tokenizer, [fc("edit_file", FIX)]), sandbox.fork(), "go")
+    assert died.exit_reason == "error" and died.error.startswith("EngineClosed")
+    assert "+    return a + b" in died.final_diff  # the diff is filled whatever happens
+
+
+def test_a_bug_in_an_episode_propagates_instead_of_reading_as_an_outage(sandbox, tokenizer):
+    """Running out of script is not the infrastructure's failure: `run_episode` raises it."""
+    from atelier.failures import is_infra
+    from atelier.inference.scripted import ScriptExhausted
+
+    with pytest.raises(ScriptExhausted) as info:
+        run_episode(ScriptedModel(tokenizer, [fc("edit_file", FIX)]), sandbox.fork(), "go")
+    assert not is_infra(info.value)
 
 
 def test_self_summarization_starts_new_segments_from_summary_and_state(sandbox, tokenizer):

@@ -9,7 +9,9 @@ the package, so adding a command never touches this file.
 
 `main` turns every `AtelierError` (a user error: bad config, missing tool)
 into `error: ...` / `hint: ...` on stderr and exit status 2, never a
-traceback. Any other exception is a bug and keeps its traceback.
+traceback. A `BugError` (a bug caught at a batch edge, which already wrote
+its traceback to the run's failures.log) prints the same way and exits
+with status 1. Any other exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -70,18 +72,18 @@ def register_subcommands() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; user errors print a message and a hint and exit with status 2."""
-    from atelier.errors import AtelierError
+    from atelier.errors import AtelierError, BugError
 
     register_subcommands()
     try:
         app(args=argv, prog_name="atelier")
-    except AtelierError as exc:
+    except (AtelierError, BugError) as exc:
         typer.secho("error: ", fg="red", bold=True, err=True, nl=False)
         typer.echo(exc.message, err=True)
         if exc.hint:
             typer.secho("hint: ", fg="cyan", bold=True, err=True, nl=False)
             typer.echo(exc.hint, err=True)
-        raise SystemExit(2) from None
+        raise SystemExit(1 if isinstance(exc, BugError) else 2) from None
 
 
 register_subcommands()

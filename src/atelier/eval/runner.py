@@ -10,12 +10,15 @@ Resuming: attempts whose latest record is not an infrastructure error are
 finished and skipped; the others run again. A run directory belongs to one
 model: resuming it with another is refused.
 
-Errors: the one broad `except Exception` is per attempt (mini-swe-agent's
-batch edge): the error type is recorded, the attempt counts as an
-infrastructure error (the model never raises; a raise is the sandbox's,
-the harness's, the server's or the grader's), and the trajectory is saved
-in `finally`. A grading timeout is an infrastructure error too. Each
-infrastructure error is retried `infra_retries` times at once.
+Errors (`atelier.failures`, the same rule as RL): the one broad `except
+Exception` is per attempt (mini-swe-agent's batch edge). An infrastructure
+failure (a sandbox that died or could not start, a server that is down, a
+grading timeout) is recorded with its error type, never scored, its
+trajectory saved, and retried `infra_retries` times after a backoff
+(`retry_backoff_s`, doubling). Anything else is a bug: its traceback goes
+to OUT/failures.log, no record is written (so a rerun attempts it again),
+and `run_eval` raises a `BugError` naming the task and pass once the
+attempts already running have finished.
 
 Concurrency: attempts run on a thread pool of `concurrency` workers. Models
 are thread-safe by contract (`TokenModel.generate`); each attempt owns its
@@ -35,10 +38,12 @@ from typing import Any, Callable, Literal, Protocol, Sequence, Union, runtime_ch
 from pydantic import Field
 
 from atelier.config import AtelierConfig
+from atelier.errors import BugError
 from atelier.eval.metrics import EvalMetrics, compute_metrics
 from atelier.eval.prices import PriceTable, load_prices
 from atelier.eval.records import (META_FILE, SUMMARY_FILE, EvalError, EvalRecord, ResultsWriter,
                                   read_json, read_records, trajectory_path, write_json)
+from atelier.failures import FailureLog, backoff_s, is_infra
 from atelier.harness.config import AgentConfig
 from atelier.harness.trajectory import Trajectory
 from atelier.inference.types import ChatModel, TokenModel
@@ -58,7 +63,9 @@ class EvalConfig(AtelierConfig):
     threshold: float = 1.0
     """A reward at or above this is a success (pass@k)."""
     infra_retries: int = Field(1, ge=0)
-    """Immediate retries of an attempt that hit an infrastructure error."""
+    """Retries of an attempt that hit an infrastructure error."""
+    retry_backoff_s: float = Field(1.0, ge=0)
+    """Delay before the first such retry; it doubles with each retry (at most 60 s)."""
     env_cache: str | None = None
     """Where task venvs are built (default `$ATELIER_CACHE/envs`)."""
 
@@ -119,7 +126,8 @@ def run_eval(model: Policy, tasks: Sequence[Task] | str | Path, out_dir: str | P
     writer = ResultsWriter(run_dir)
 
     def one(task: Task, index: int) -> EvalRecord:
-        for _ in range(config.infra_retries + 1):
+        for attempt in range(config.infra_retries + 1):
+            time.sleep(backoff_s(config.retry_backoff_s, attempt))
             record = run_attempt(model, task, index, run_dir, config, agent_config, table)
             writer.append(record)
             if not record.infra_error:
@@ -185,7 +193,7 @@ def _prepare_run_dir(run_dir: Path, name: str, tasks: list[Task], config: EvalCo
 
 def run_attempt(model: Policy, task: Task, index: int, run_dir: Path, config: EvalConfig,
                 agent_config: AgentConfig, prices: PriceTable) -> EvalRecord:
-    """One task, one pass: `run_and_grade`, then the record; never raises an Exception."""
+    """One task, one pass: `run_and_grade`, then the record. Raises `BugError` for a bug only."""
     from atelier.harness.episode import run_and_grade
 
     name = model_name(model)
@@ -206,18 +214,29 @@ def run_attempt(model: Policy, task: Task, index: int, run_dir: Path, config: Ev
             record.reward = result.reward
             record.success = result.reward >= config.threshold
             record.grade_error = result.error
-    except Exception as exc:  # the batch edge: one attempt's failure never stops the run
+    except Exception as exc:  # the batch edge: sorted by atelier.failures
+        if not is_infra(exc):
+            raise _attempt_bug(exc, task, index, run_dir) from None
         record.infra_error, record.error_type = True, type(exc).__name__
         record.error = str(exc)[-4000:]
         record.reward, record.success = None, False
-    finally:
-        record.wall_s = time.monotonic() - start
-        if traj is None:
-            traj = Trajectory(task_id=task.id, model=name, exit_reason="error",
-                              error=f"{record.error_type}: {record.error}")
-        _fill_from_trajectory(record, traj, prices)
-        traj.save(run_dir / record.trajectory)
+    record.wall_s = time.monotonic() - start
+    if traj is None:
+        traj = Trajectory(task_id=task.id, model=name, exit_reason="error",
+                          error=f"{record.error_type}: {record.error}")
+    _fill_from_trajectory(record, traj, prices)
+    traj.save(run_dir / record.trajectory)
     return record
+
+
+def _attempt_bug(exc: BaseException, task: Task, index: int, run_dir: Path) -> BugError:
+    """Log the traceback of a bug in one attempt; the error that stops the evaluation."""
+    log = FailureLog(run_dir / "failures.log")
+    log.record("bug", f"{task.id} pass {index}", exc)
+    return BugError(f"attempt {task.id} pass {index} failed with a bug, not an infrastructure failure: "
+                    f"{type(exc).__name__}: {str(exc)[:300]}",
+                    hint=f"the traceback is in {log.path}; fix the bug and run the same command again: "
+                         "finished attempts are kept and this one runs again")
 
 
 def config_for_pass(agent_config: AgentConfig, index: int) -> AgentConfig:

@@ -5,8 +5,11 @@ shows their results; typed exceptions end it (`Submitted`, `LimitsExceeded`)
 or steer it (`FormatError`: a broken call, shown to the model and counted).
 When the segment reaches `summary_trigger_tokens` the model is asked for a
 summary and the context restarts from system + task + summary + state.
-`run_episode` always returns the trajectory, with the exit reason and any
-error recorded and the final diff filled in.
+`run_episode` returns the trajectory with the exit reason and the final
+diff filled in; an infrastructure failure (`atelier.failures.is_infra`: the
+sandbox died, the engine closed) ends it with exit reason "error" and the
+error recorded. Any other exception is a bug and propagates, after the
+diff and wall time are filled in.
 
 Token kinds in `Trajectory.tokens`: prompt (each segment's first prompt),
 completion (every sampled token), tool_call and thinking (the parts of
@@ -20,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from atelier.failures import is_infra
 from atelier.harness.config import AgentConfig
 from atelier.harness.context import ContextWindow, Result, Turn, open_window
 from atelier.harness.errors import AgentStop, FormatError, LimitsExceeded, Submitted
@@ -47,8 +51,8 @@ def run_episode(model: Any, sandbox: Any, prompt: str, *, task_id: str = "", con
                 on_event: Callable[[Event], None] | None = None, tools: dict[str, Tool] | None = None,
                 past_messages: list[str] | None = None) -> Trajectory:
     """Run one episode of `model` (a `TokenModel`: token-exact segments; or a
-    `ChatModel`: messages only) on `prompt` in `sandbox`. Never raises for a
-    failure inside the episode: the returned trajectory says how it ended."""
+    `ChatModel`: messages only) on `prompt` in `sandbox`. The returned
+    trajectory says how it ended; only a bug raises (see the module docstring)."""
     config = config or AgentConfig()
     tools = tools or default_tools()
     emit = on_event or (lambda event: None)
@@ -79,7 +83,9 @@ def run_episode(model: Any, sandbox: Any, prompt: str, *, task_id: str = "", con
             window.observe(_act(turn, tools, ctx, traj, window, emit))
     except AgentStop as stop:
         traj.exit_reason = stop.exit_reason
-    except Exception as exc:  # the batch edge: record, never lose the trajectory
+    except Exception as exc:
+        if not is_infra(exc):
+            raise  # a bug: the caller's batch edge stops the run (atelier.failures)
         traj.exit_reason, traj.error = "error", f"{type(exc).__name__}: {exc}"
     finally:
         traj.todos = [dict(t) for t in ctx.todos]

@@ -17,14 +17,15 @@ replays (`atelier.eval.runner`, which `atelier run` uses for both); `atelier
 agent` (`atelier.harness.deploy`) has no task to grade and calls
 `run_in_sandbox` on the user's repository.
 
-Infrastructure vs policy: an episode that ended on an exception (the
-sandbox, engine or harness raised: `exit_reason == "error"`) is not graded,
-and a grade whose test run timed out is not trusted; both set
-`GradedEpisode.infra_error`, and callers exclude them (RL retries, eval
-records an infrastructure error). A malformed call, a patch that does not
-apply or failing tests are the policy's: graded, reward 0. Exceptions that
-escape (a sandbox that cannot be created) propagate to the caller's batch
-edge.
+Infrastructure vs policy vs bug (`atelier.failures`): an episode that
+ended on an infrastructure failure (the sandbox died, the engine closed:
+`exit_reason == "error"`) is not graded, and a grade whose test run timed
+out is not trusted; both set `GradedEpisode.infra_error`, and callers
+exclude them (RL retries, eval records an infrastructure error). A
+malformed call, a patch that does not apply or failing tests are the
+policy's: graded, reward 0. Exceptions that escape (a sandbox that cannot
+be created, a bug anywhere) propagate to the caller's batch edge, which
+sorts them with `atelier.failures.classify`.
 """
 
 from __future__ import annotations

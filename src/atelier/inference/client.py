@@ -22,12 +22,16 @@ from typing import Any
 
 import httpx
 
-from atelier.errors import AtelierError
+from atelier.errors import AtelierError, InfraError
 from atelier.inference.types import ChatReply, Generation, SamplingParams
 
 
 class ServerError(AtelierError):
     """The inference server could not be reached or refused a request."""
+
+
+class ServerUnreachable(ServerError, InfraError):
+    """No answer, or one that says the server cannot serve now (5xx, 429): infrastructure."""
 
 
 def _root(base_url: str) -> str:
@@ -45,16 +49,17 @@ def _call(client: httpx.Client, method: str, path: str, **kwargs: Any) -> dict[s
     try:
         response = client.request(method, path, **kwargs)
     except httpx.HTTPError as exc:
-        raise ServerError(f"cannot reach the inference server at {client.base_url}: {exc}",
-                          hint="start it with `atelier serve --model M --port P`, or check the URL") from exc
+        raise ServerUnreachable(f"cannot reach the inference server at {client.base_url}: {exc}",
+                                hint="start it with `atelier serve --model M --port P`, or check the URL") from exc
     if response.status_code >= 400:
         try:
             error = response.json().get("error", {})
         except ValueError:
             error = {}
         message = error.get("message") if isinstance(error, dict) else None
-        raise ServerError(f"{path} answered {response.status_code}: {message or response.text[:300]}",
-                          hint=(error.get("hint") if isinstance(error, dict) else None))
+        kind = ServerUnreachable if response.status_code >= 500 or response.status_code == 429 else ServerError
+        raise kind(f"{path} answered {response.status_code}: {message or response.text[:300]}",
+                   hint=(error.get("hint") if isinstance(error, dict) else None))
     return response.json()
 
 

@@ -77,7 +77,7 @@ from typing import Any, Callable
 
 import torch
 
-from atelier.errors import AtelierError
+from atelier.errors import AtelierError, InfraError
 from atelier.inference.forward import BatchedForward
 from atelier.inference.models import DEFAULT_KV_CACHE_TOKENS, DEFAULT_PREFIX_CACHE_TOKENS
 from atelier.inference.prefix_cache import BlockPool
@@ -92,7 +92,11 @@ class EngineError(AtelierError):
     """A request the engine cannot serve (bad prompt, bad weights, closed engine)."""
 
 
-class EngineBusy(EngineError):
+class EngineClosed(EngineError, InfraError):
+    """The engine was closed (or died) before or while serving a request: infrastructure."""
+
+
+class EngineBusy(EngineError, InfraError):
     """The queue of waiting requests is full; retry after `retry_after` seconds."""
 
     def __init__(self, message: str, retry_after: int = 1) -> None:
@@ -303,7 +307,7 @@ class LocalEngine:
         request = _Request(prompt, params, stop_ids, make_generator(params.seed), on_token, on_done)
         with self._cond:
             if self._closed:
-                raise EngineError("the engine is closed")
+                raise EngineClosed("the engine is closed")
             if self.max_queue is not None and len(self._waiting) >= self.max_queue:
                 raise EngineBusy(f"{len(self._waiting)} requests are already waiting (the queue limit)")
             self._waiting.append(request)
@@ -351,7 +355,7 @@ class LocalEngine:
         update = _WeightUpdate(tensors, int(version))
         with self._cond:
             if self._closed:
-                raise EngineError("the engine is closed")
+                raise EngineClosed("the engine is closed")
             self._updates.append(update)
             self._cond.notify_all()
         update.done.wait()
@@ -431,7 +435,7 @@ class LocalEngine:
                     if not request.done.is_set():
                         self._end(request, None, error=exc)
                 self._active = []
-        closed = EngineError("the engine was closed before this request finished")
+        closed = EngineClosed("the engine was closed before this request finished")
         with self._cond:
             for request in self._waiting + self._active:
                 self._end(request, None, error=closed)

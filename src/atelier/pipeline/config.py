@@ -8,14 +8,14 @@ reuses the RL package's own configs, so a field means the same thing in
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from atelier.config import AtelierConfig
+from atelier.harness.config import AgentConfig
 from atelier.inference.config import InferenceConfig
-from atelier.rl.config import CurriculumConfig, RolloutConfig, SyncConfig, TrainerConfig
-from atelier.rl.shaping import ShapingConfig
+from atelier.rl.config import RlOptions, TrainerConfig, check_rl_sampling
 
 
 class ModelStage(AtelierConfig):
@@ -61,8 +61,14 @@ class TasksStage(AtelierConfig):
 class EvalStage(AtelierConfig):
     passes: int = Field(2, ge=1)
     concurrency: int = Field(4, ge=1)
-    agent: dict[str, Any] = Field(default_factory=dict)
-    """Fields of atelier.harness.agent.AgentConfig, used by evaluation, SFT data and RL alike."""
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    """The agent of evaluation, SFT data and RL alike (RL takes its temperature, turn max_tokens
+    and seed from rl.rollout, and needs top_p = 1)."""
+
+    @field_validator("agent")
+    @classmethod
+    def _untruncated_sampling(cls, agent: AgentConfig) -> AgentConfig:
+        return check_rl_sampling(agent, "eval.agent")
 
 
 class SftStage(AtelierConfig):
@@ -77,13 +83,12 @@ class SftStage(AtelierConfig):
     warmup_steps: int = Field(1, ge=0)
 
 
-class RlStage(AtelierConfig):
-    launcher: Literal["local", "ray"] = "local"
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+class RlStage(RlOptions):
+    """Every option of `atelier train` (atelier.rl.config.RlOptions: launcher, rollout, trainer,
+    sync, shaping, curriculum, loggers) but the three the pipeline fills in: the model (the SFT
+    stage's), the seed (the run's) and the environment (the train split, with eval.agent)."""
+
     trainer: TrainerConfig = Field(default_factory=lambda: TrainerConfig(steps=2))
-    sync: SyncConfig = Field(default_factory=SyncConfig)
-    shaping: ShapingConfig = Field(default_factory=ShapingConfig)
-    curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
 
 
 class HeadlineStage(AtelierConfig):

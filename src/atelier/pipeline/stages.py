@@ -205,9 +205,7 @@ class _Context:
 
     @property
     def agent_config(self):
-        from atelier.harness.agent import AgentConfig
-
-        return AgentConfig(**self.config.eval.agent)
+        return self.config.eval.agent
 
     # --- model -----------------------------------------------------------------
     def stage_model(self) -> dict[str, Any]:
@@ -334,22 +332,19 @@ class _Context:
 
     # --- RL ----------------------------------------------------------------------
     def stage_rl(self) -> dict[str, Any]:
-        from atelier.rl.config import EnvConfig, TasksEnvConfig, TrainConfig
+        from atelier.rl.config import EnvConfig, TasksEnvConfig
         from atelier.rl.run import run_training
 
-        r = self.config.rl
         env = EnvConfig(kind="tasks", tasks=TasksEnvConfig(
             suite=self.output("tasks", "dir"), split="train", backend=self.config.tasks.backend,
             agent=self.config.eval.agent))
-        cfg = TrainConfig(model=self.output("sft", "model"), seed=self.config.seed, launcher=r.launcher,
-                          rollout=r.rollout, trainer=r.trainer, sync=r.sync, env=env, shaping=r.shaping,
-                          curriculum=r.curriculum, inference=self.config.inference)
+        cfg = rl_train_config(self.config, model=self.output("sft", "model"), env=env)
         out = self.run_dir / "rl"
 
         def on_step(record: dict[str, Any]) -> None:
             self.say(f"  rl step {record['step']}: reward {record['reward_mean']:.3f}, "
                      f"pass rate {record['pass_rate']:.2f}, {record['gen_tokens_per_s']:.0f} tokens/s")
-            self._tick("rl", record["step"], r.trainer.steps)
+            self._tick("rl", record["step"], self.config.rl.trainer.steps)
 
         summary = run_training(cfg, out, resume=(out / "ledger.jsonl").exists(), on_step=on_step)
         if not summary.checkpoint:
@@ -378,6 +373,15 @@ class _Context:
                 "pass_rate_before": ev["before"]["pass_rate"], "pass_rate_after_sft": ev["after_sft"]["pass_rate"],
                 "pass_rate_after_rl": ev["after_rl"]["pass_rate"],
                 "headline_p_value": summary["headline"].get("p_value")}
+
+
+def rl_train_config(config: RunConfig, *, model: str, env: Any):
+    """The `TrainConfig` of the rl stage: every [rl] option as written, plus the model, the run's
+    seed and inference engine, and the environment."""
+    from atelier.rl.config import RlOptions, TrainConfig
+
+    options = {name: getattr(config.rl, name) for name in RlOptions.model_fields}
+    return TrainConfig(model=model, seed=config.seed, inference=config.inference, env=env, **options)
 
 
 class GoldReplay:

@@ -9,9 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from atelier.config import AtelierConfig
+from atelier.harness.config import AgentConfig
 from atelier.inference.config import InferenceConfig
 from atelier.inference.models import DEFAULT_KV_CACHE_TOKENS, DEFAULT_PREFIX_CACHE_TOKENS
 from atelier.rl.shaping import ShapingConfig
@@ -41,6 +42,9 @@ class RolloutConfig(AtelierConfig):
     temperature: float = Field(1.0, gt=0)
     max_retries: int = Field(2, ge=0)
     """Re-runs of a rollout lost to an infrastructure failure before it is left out of its group."""
+    retry_backoff_s: float = Field(1.0, ge=0)
+    """Delay before the first re-run of such a rollout; it doubles with each retry (at most 60 s).
+    A bug (any other exception) is never retried: it stops the run (atelier.failures)."""
     min_valid: int = Field(2, ge=1)
     """Fewest valid members a group needs to be trained; fewer: dropped with a reason."""
 
@@ -117,6 +121,15 @@ class ToyEnvConfig(AtelierConfig):
     prompt_words: int = Field(4, ge=1)
 
 
+def check_rl_sampling(agent: AgentConfig, key: str) -> AgentConfig:
+    """RL rollouts sample with top_p = 1: the trainer cannot recompute truncated probabilities."""
+    if agent.sampling.top_p != 1.0:
+        raise ValueError(f"RL rollouts sample with top_p = 1 (the trainer cannot recompute truncated "
+                         f"probabilities), and {key}.sampling.top_p is {agent.sampling.top_p}; "
+                         f"remove {key}.sampling.top_p")
+    return agent
+
+
 class TasksEnvConfig(AtelierConfig):
     """Real tasks through the agent harness, sandboxes and grader."""
 
@@ -127,9 +140,14 @@ class TasksEnvConfig(AtelierConfig):
     backend: Literal["bwrap", "local"] = "bwrap"
     env_cache: str = ""
     """Where task venvs are built and shared (empty: atelier's cache)."""
-    agent: dict[str, Any] = Field(default_factory=dict)
-    """Fields of atelier.harness.config.AgentConfig; the sampling temperature, turn
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    """The agent's budgets, tools and prompt options; its sampling temperature, turn
     max_tokens and seed come from [rollout] (the trainer must know them)."""
+
+    @field_validator("agent")
+    @classmethod
+    def _untruncated_sampling(cls, agent: AgentConfig) -> AgentConfig:
+        return check_rl_sampling(agent, "env.tasks.agent")
 
 
 class PythonEnvConfig(AtelierConfig):
@@ -175,19 +193,26 @@ class CurriculumConfig(AtelierConfig):
     """Groups the recent pass rate is taken over."""
 
 
-class TrainConfig(AtelierConfig):
-    model: str = "tiny"
-    """A model directory, a known model name, a hub id, or 'tiny' / 'tiny-moe' (a tiny random dense or
-    mixture-of-experts model built in the run dir)."""
-    seed: int = 0
+class RlOptions(AtelierConfig):
+    """Every option of an RL run but what names the run's inputs (model, seed, inference engine,
+    environment): `TrainConfig` adds those, and `atelier run`'s [rl] stage (atelier.pipeline.config.RlStage)
+    is this model, so an option means the same in both and exists in both."""
+
     launcher: Literal["local", "ray"] = "local"
-    inference: InferenceConfig = Field(default_factory=InferenceConfig)
-    """The rollout engine: built-in, or vLLM servers the trainer pushes weights into."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
-    env: EnvConfig = Field(default_factory=EnvConfig)
     shaping: ShapingConfig = Field(default_factory=ShapingConfig)
     curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
     loggers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
     """Extra metric sinks besides RUN_DIR/metrics.jsonl (each needs its package installed)."""
+
+
+class TrainConfig(RlOptions):
+    model: str = "tiny"
+    """A model directory, a known model name, a hub id, or 'tiny' / 'tiny-moe' (a tiny random dense or
+    mixture-of-experts model built in the run dir)."""
+    seed: int = 0
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    """The rollout engine: built-in, or vLLM servers the trainer pushes weights into."""
+    env: EnvConfig = Field(default_factory=EnvConfig)

@@ -4,7 +4,9 @@
 `model` (a `TokenModel`), scores it and returns the trajectory with `reward`
 and `reward_parts` set (`reward_parts["pass"]` is 1.0 for a solved task).
 An infrastructure failure (sandbox error, engine crash, grading timeout)
-raises `InfraError`: the reconciler retries it and never scores it.
+raises `InfraError` (or another exception `atelier.failures.is_infra`
+accepts): the reconciler retries it and never scores it. Any other exception
+is a bug: it stops the run, and the rollout runs again on resume.
 
 Two environments:
 - `ToyEnvironment`: single-turn, harness-free, dense learnable reward — the
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import random
 import sys
 import time
@@ -30,15 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
-from atelier.errors import AtelierError
+from atelier.errors import AtelierError, InfraError  # noqa: F401  (environments raise it from here)
 from atelier.harness.trajectory import Segment, Trajectory
 from atelier.inference.types import SamplingParams, TokenModel
 from atelier.rl.config import EnvConfig, RolloutConfig, ToyEnvConfig
 from atelier.rl.shaping import ShapingConfig, shape_trajectory
-
-
-class InfraError(Exception):
-    """The infrastructure, not the policy, failed this rollout: retry, never score it."""
 
 
 class Environment(Protocol):
@@ -161,11 +160,28 @@ def load_factory(spec: str) -> Callable[..., Any]:
     return factory
 
 
+def _check_args(factory: Callable[..., Any], spec: str, args: dict[str, Any]) -> None:
+    """`[env.python] args` must fit the factory's signature: say which do not, before calling it."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+        return
+    try:
+        signature.bind(rollout=None, shaping=None, seed=0, **args)
+    except TypeError as exc:
+        accepted = [p for p in signature.parameters if p not in ("rollout", "shaping", "seed")]
+        raise EnvironmentFactoryError(
+            f"env.python.args do not fit {spec}: {exc}",
+            hint=f"its arguments besides rollout, shaping and seed: {', '.join(accepted) or '(none)'}") from None
+
+
 def make_environment(env: EnvConfig, rollout: RolloutConfig, shaping: ShapingConfig, seed: int):
     if env.kind == "toy":
         return ToyEnvironment(env.toy, rollout, shaping, seed)
     if env.kind == "python":
-        built = load_factory(env.python.factory)(rollout=rollout, shaping=shaping, seed=seed, **env.python.args)
+        factory = load_factory(env.python.factory)
+        _check_args(factory, env.python.factory, env.python.args)
+        built = factory(rollout=rollout, shaping=shaping, seed=seed, **env.python.args)
         missing = [m for m in ("tasks", "category", "rollout") if not callable(getattr(built, m, None))]
         if missing:
             raise EnvironmentFactoryError(

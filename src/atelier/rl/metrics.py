@@ -72,7 +72,11 @@ def step_metrics(*, step: int, batch: Batch, ledger_counts: dict[str, int], trai
                  engine_swap_s: float, counters, idle_s: float, busy_s: float, wall_s: float,
                  mode: str) -> dict[str, Any]:
     """Reward and its parts, pass rate, best-of-K, staleness, IS weights, KL, entropy, throughput;
-    `tampered`: samples whose grading found the tests tampered with (reward 0)."""
+    `tampered`: samples whose grading found the tests tampered with (reward 0); `failures`: the
+    three classes of `atelier.failures` — infrastructure failures since the last step (also by
+    exception type in `infra_types`; `rollout_failures` is the same count), the batch's samples
+    with a malformed tool call (scored, not failures of the rollout), and the batch's samples
+    whose rollout once hit a bug that stopped the run (run again after the resume)."""
     rewards, parts, per_group, tampered = [], Counter(), [], 0
     for group in batch.groups:
         slots = [s for s in batch.slots if s.group_id == group.group_id]
@@ -96,12 +100,21 @@ def step_metrics(*, step: int, batch: Batch, ledger_counts: dict[str, int], trai
         "tampered": tampered,
         "gen_tokens": counters.gen_tokens, "gen_tokens_per_s": counters.gen_tokens / gen_interval,
         "rollouts": counters.rollouts, "rollout_failures": counters.failures,
+        "failures": failure_counts(batch, counters), "infra_types": dict(sorted(counters.infra_types.items())),
         "trainer_idle_s": idle_s, "trainer_busy_s": busy_s, "trainer_idle_fraction": idle_s / interval,
         "sync_bytes": sync.bytes, "sync_seconds": sync.seconds, "sync_kind": sync.kind,
         "sync_bytes_per_s": sync.bytes / max(sync.seconds, 1e-9), "engine_swap_s": engine_swap_s,
         "ledger": ledger_counts,
         **train,
     }
+
+
+def failure_counts(batch: Batch, counters) -> dict[str, int]:
+    """{"infra": since the last step, "malformed": samples with a broken call, "bug": samples
+    whose ledger history holds a bug (the run stopped on it and resumed)}."""
+    malformed = sum(1 for s in batch.slots if batch.trajectories[s.slot_id].broken_calls)
+    bugs = sum(1 for s in batch.slots if any(f.startswith("bug:") for f in s.failures))
+    return {"infra": counters.failures, "malformed": malformed, "bug": bugs}
 
 
 def _elapsed(counters) -> float:

@@ -17,9 +17,15 @@ Ray is imported by two modules only: this one (placement of the RL run) and
   implements the reconciler's `RolloutBackend` by submitting rollouts to the
   actors and reporting each result from a waiting thread.
 
-Failures: a rollout that raises inside an actor, or an actor that dies
-(`RayActorError`; actors restart up to twice), reaches the reconciler as an
-infrastructure failure of that one rollout: retried, never scored.
+Failures (`remote_failure`, the one place Ray's errors are sorted): an actor
+or node that dies, an object lost, a worker killed for memory (`RayError`s
+other than a task error; actors restart up to twice) become an `InfraError`
+of that one rollout: retried, never scored. A rollout that raises inside an
+actor reaches the reconciler as its own exception, the worker's traceback
+attached (`remote_traceback`), and is sorted like a local one: an infra
+failure is retried, a bug stops the run. `RemoteTokenModel` applies the same
+rule to the engine calls a rollout makes, so the harness sees an
+`InfraError` when the inference actor is gone.
 
 Multi-node: start Ray on each node (`ray start --head` on one, `ray start
 --address=HEAD:6379` on the others), put the run directory (or at least
@@ -35,8 +41,9 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.exceptions import RayError, RayTaskError
 
-from atelier.errors import AtelierError
+from atelier.errors import AtelierError, InfraError
 from atelier.inference.types import Generation, SamplingParams
 from atelier.rl.config import TrainConfig
 from atelier.rl.reconciler import DoneCallback
@@ -44,6 +51,26 @@ from atelier.rl.reconciler import DoneCallback
 
 class RayLaunchError(AtelierError):
     """Ray could not start or reach its actors."""
+
+
+def remote_failure(exc: BaseException) -> BaseException:
+    """What the exception of a Ray call means to `atelier.failures` (see the module docstring)."""
+    if isinstance(exc, RayTaskError):
+        cause = exc.cause
+        if isinstance(cause, RayError):   # the task itself called a dead actor
+            return remote_failure(cause)
+        if isinstance(cause, BaseException):
+            try:
+                cause.remote_traceback = getattr(exc, "traceback_str", None) or str(exc)
+            except AttributeError:        # an exception type that takes no attributes
+                pass
+            return cause
+        return exc                        # the cause could not be rebuilt here: a bug to read
+    if isinstance(exc, RayError):
+        infra = InfraError(f"ray: {type(exc).__name__}: {str(exc)[:500]}")
+        infra.__cause__ = exc
+        return infra
+    return exc
 
 
 @ray.remote(num_cpus=0, max_restarts=2)
@@ -95,7 +122,10 @@ class RemoteTokenModel:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        return ray.get(self.actor.generate.remote(prompt_ids, params))
+        try:
+            return ray.get(self.actor.generate.remote(prompt_ids, params))
+        except RayError as exc:
+            raise remote_failure(exc) from None
 
 
 @ray.remote(num_cpus=0, max_restarts=2)
@@ -147,8 +177,8 @@ class RayBackend:
         def wait() -> None:
             try:
                 traj = Trajectory.from_dict(ray.get(ref))
-            except Exception as exc:  # the batch edge: RayTaskError, RayActorError
-                done(slot_id, None, exc)
+            except Exception as exc:  # the batch edge: the reconciler sorts it (atelier.failures)
+                done(slot_id, None, remote_failure(exc))
             else:
                 done(slot_id, traj, None)
 

@@ -40,21 +40,30 @@ slow the trainer waits for it rather than training groups 4, 5 first.
 In sync mode S = 0: each batch is generated entirely by the current weights.
 
 A group is trained only when every member is graded or dropped; members
-lost to infrastructure failures are retried up to `max_retries` times, then
-left out of the group's statistics (never scored 0); a group with fewer than
-`min_valid` members left is dropped with a reason.
+lost to infrastructure failures are retried up to `max_retries` times, each
+after a backoff (`retry_backoff_s`, doubling), then left out of the group's
+statistics (never scored 0); a group with fewer than `min_valid` members
+left is dropped with a reason.
+
+Failures are sorted by `atelier.failures.classify`. An infrastructure
+failure is retried as above and logged in one line of RUN_DIR/failures.log.
+Anything else is a bug: its traceback goes to failures.log, the slot is
+queued again at the same attempt (neither dropped nor trained, so a resume
+runs it once the bug is fixed), and `next_batch` raises a `BugError` naming
+the slot and the task, which stops the run.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-import traceback
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
-from atelier.errors import AtelierError
+from atelier.errors import AtelierError, BugError
+from atelier.failures import FailureLog, backoff_s, classify, describe
 from atelier.harness.trajectory import Trajectory
 from atelier.rl.advantages import group_advantages
 from atelier.rl.config import RolloutConfig
@@ -124,13 +133,18 @@ class Counters:
     gen_tokens: int = 0
     rollouts: int = 0
     failures: int = 0
+    """Infrastructure failures (each retried or, past `max_retries`, dropped)."""
+    infra_types: Counter = field(default_factory=Counter)
+    """The same by exception type."""
+    bugs: int = 0
     since: float = field(default_factory=time.perf_counter)
 
 
 class Reconciler:
     def __init__(self, *, ledger: Ledger, tasks: Sequence[Any], category: Callable[[Any], str],
                  backend: RolloutBackend, cfg: RolloutConfig, curriculum: Curriculum,
-                 rollouts_dir: Path, seed: int, version: int, total_steps: int = 0) -> None:
+                 rollouts_dir: Path, seed: int, version: int, total_steps: int = 0,
+                 failure_log: FailureLog | None = None) -> None:
         self.ledger, self.backend, self.cfg, self.curriculum = ledger, backend, cfg, curriculum
         self.category, self.rollouts_dir, self.seed = category, rollouts_dir, seed
         self.version, self.total_steps = version, total_steps
@@ -143,6 +157,8 @@ class Reconciler:
         self.fatal: BaseException | None = None
         self.breaker = FailureBreaker(max(8, 3 * cfg.workers))
         self._trajectories: dict[str, Trajectory] = {}   # graded slots' trajectories, until batched
+        self._not_before: dict[str, float] = {}           # retries waiting out their backoff
+        self.failure_log = failure_log or FailureLog(rollouts_dir.parent / "failures.log")
         self._cond = threading.Condition(threading.RLock())
         self._closed = False
         rollouts_dir.mkdir(parents=True, exist_ok=True)
@@ -184,9 +200,13 @@ class Reconciler:
                                   self.cfg.group_size, self.version)
         queued = sorted(self.ledger.in_state("queued"),
                         key=lambda s: (self.ledger.groups[s.group_id].index, s.member))
+        now = time.monotonic()
         for slot in queued:
             if len(self.running) >= self.cfg.workers:
                 break
+            if self._not_before.get(slot.slot_id, 0.0) > now:
+                continue
+            self._not_before.pop(slot.slot_id, None)
             self.ledger.set(slot.slot_id, "running", start_version=self.backend.version)
             self.running.add(slot.slot_id)
             seed = (self.seed * 1_000_003 + self.ledger.groups[slot.group_id].index * 1009
@@ -195,18 +215,22 @@ class Reconciler:
 
     # --- results -----------------------------------------------------------
     def _on_done(self, slot_id: str, traj: Trajectory | None, exc: BaseException | None) -> None:
-        ok = exc is None and traj is not None and traj.reward is not None
-        if ok:  # before the lock: the file exists before the event that points to it
+        if exc is None and (traj is None or traj.reward is None):
+            exc = MissingReward("the environment returned a trajectory without a reward "
+                                "(Environment.rollout must score it, or raise InfraError)")
+        if exc is None:  # before the lock: the file exists before the event that points to it
             traj.save(self._path(slot_id))
         with self.ledger.deferred_sync(), self._cond:  # the fsync runs after the lock is released
             self.running.discard(slot_id)
             if self._closed:
                 return
             slot = self.ledger.slots[slot_id]
-            if ok:
+            if exc is None:
                 self._graded(slot, traj)
+            elif classify(exc) == "infra":
+                self._failed(slot, exc)
             else:
-                self._failed(slot, _describe(exc) if exc is not None else "the environment returned no reward")
+                self._bug(slot, exc)
             self._maybe_complete(self.ledger.groups[slot.group_id])
             self._pump()
             self._cond.notify_all()
@@ -220,14 +244,44 @@ class Reconciler:
         self.ledger.set(slot.slot_id, "graded", reward=traj.reward,
                         passed=bool(traj.reward_parts.get("pass", 0.0) >= 1.0), turns=traj.turns, tokens=sampled)
 
-    def _failed(self, slot: Slot, why: str) -> None:
-        """An infrastructure failure: retried up to `max_retries` times, then dropped, never scored."""
+    def _failed(self, slot: Slot, exc: BaseException) -> None:
+        """An infrastructure failure: retried up to `max_retries` times after a backoff, then
+        dropped, never scored."""
+        why = describe(exc)
+        self.failure_log.record("infra", f"{slot.slot_id} (task {slot.task_id}, attempt {slot.attempt})", exc)
         self.counters.failures += 1
+        self.counters.infra_types[type(exc).__name__] += 1
         if slot.attempt < self.cfg.max_retries:
-            self.ledger.set(slot.slot_id, "queued", attempt=slot.attempt + 1, failure=why)
+            self.ledger.set(slot.slot_id, "queued", attempt=slot.attempt + 1, failure=f"infra: {why}")
+            delay = backoff_s(self.cfg.retry_backoff_s, slot.attempt + 1)
+            if delay > 0:
+                self._not_before[slot.slot_id] = time.monotonic() + delay
+                timer = threading.Timer(delay, self._wake)
+                timer.daemon = True
+                timer.start()
         else:
-            self.ledger.set(slot.slot_id, "dropped", reason=f"infrastructure: {why}", failure=why)
+            self.ledger.set(slot.slot_id, "dropped", reason=f"infrastructure: {why}", failure=f"infra: {why}")
         self.fatal = self.fatal or self.breaker.failure(why)
+
+    def _bug(self, slot: Slot, exc: BaseException) -> None:
+        """Not the infrastructure's, not the model's: stop the run; the slot runs again on resume."""
+        where = f"{slot.slot_id} (task {slot.task_id}, attempt {slot.attempt})"
+        self.failure_log.record("bug", where, exc)
+        self.counters.bugs += 1
+        self.ledger.set(slot.slot_id, "queued", failure=f"bug: {describe(exc)}")
+        if self.fatal is None:
+            run_dir = self.rollouts_dir.parent
+            self.fatal = BugError(
+                f"rollout {slot.slot_id} of task {slot.task_id} failed with a bug, not an infrastructure "
+                f"failure: {type(exc).__name__}: {str(exc)[:300]}",
+                hint=f"the traceback is in {self.failure_log.path}; fix the bug, then continue the run "
+                     f"(atelier train --resume {run_dir}, or the same atelier run command): this rollout "
+                     "runs again and nothing trained so far is lost")
+
+    def _wake(self) -> None:
+        """A retry's backoff is over: launch what may run now."""
+        with self.ledger.deferred_sync(), self._cond:
+            self._pump()
 
     def _maybe_complete(self, group: Group) -> None:
         slots = self.ledger.group_slots(group.group_id)
@@ -326,7 +380,5 @@ def _fname(slot_id: str) -> str:
     return slot_id.replace("/", "--")
 
 
-def _describe(exc: BaseException) -> str:
-    where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
-    at = f" at {where[0].filename.rsplit('/', 1)[-1]}:{where[0].lineno}" if where else ""
-    return f"{type(exc).__name__}: {str(exc)[:300]}{at}"
+class MissingReward(Exception):
+    """An environment broke its contract: a trajectory came back unscored (a bug)."""

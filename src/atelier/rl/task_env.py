@@ -5,11 +5,13 @@ grade as evaluation: sandbox over the snapshot with the task's venv, the
 agent loop with the policy's engine, the final diff graded in a fresh
 sandbox), then shaping.
 
-Infrastructure vs policy: what `GradedEpisode.infra_error` names (an episode
-that ended on an exception, a test run that timed out) and a sandbox that
+Infrastructure vs policy vs bug (`atelier.failures`): what
+`GradedEpisode.infra_error` names (an episode that ended on an
+infrastructure failure, a test run that timed out) and a sandbox that
 cannot be created raise `InfraError` — retried by the reconciler and never
 scored. A malformed tool call, a patch that does not apply or failing tests
-are the policy's: scored (0 plus penalties) and trained on.
+are the policy's: scored (0 plus penalties) and trained on. Any other
+exception propagates: a bug, which stops the run.
 
 The trainer recomputes logprobs at the rollout temperature without top-p,
 so the agent samples at `rollout.temperature` with top_p = 1.
@@ -30,8 +32,6 @@ from atelier.tasks.schema import TaskError
 
 class TaskEnvironment:
     def __init__(self, cfg: TasksEnvConfig, rollout: RolloutConfig, shaping: ShapingConfig) -> None:
-        from atelier.harness.config import AgentConfig
-
         self.cfg, self.rollout_cfg, self.shaping = cfg, rollout, shaping
         source = Path(cfg.suite)
         if (source / "task.toml").exists():
@@ -41,12 +41,7 @@ class TaskEnvironment:
             self._tasks = [load_task(source)]
         else:
             self._tasks = load_suite(source, split=cfg.split)
-        agent = AgentConfig.model_validate(cfg.agent)
-        if agent.sampling.top_p != 1.0:
-            raise TaskError("RL rollouts sample with top_p = 1 (the trainer cannot recompute truncated "
-                            f"probabilities); env.tasks.agent sets top_p = {agent.sampling.top_p}",
-                            hint="remove env.tasks.agent.sampling.top_p")
-        self.agent = agent
+        self.agent = cfg.agent   # top_p = 1 is checked by the config (TasksEnvConfig)
 
     def tasks(self) -> Sequence[Task]:
         return self._tasks
