@@ -8,7 +8,8 @@ one of three classes, and each class has one rule:
   It says nothing about the policy: retried with backoff, never scored.
   Which exceptions are infra is decided here and nowhere else:
   `InfraError` and its subclasses (`EngineClosed`, `EngineBusy`,
-  `ServerUnreachable`, what the Ray launcher makes of a dead actor), every
+  `ServerUnreachable`, vLLM's `EngineUnavailable` and `VLLMUnavailable`,
+  what the Ray launcher makes of a dead actor), every
   `SandboxError` but a path error (the harness turns those into failed tool
   calls), `MemoryError`, `ConnectionError`, `TimeoutError`, an `OSError`
   out of disk or memory, and torch's out-of-memory error.

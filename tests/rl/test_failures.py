@@ -195,3 +195,32 @@ def test_ray_errors_are_sorted_at_the_seam():
     assert is_infra(remote_failure(nested))
     infra_inside = exceptions.RayTaskError("rollout", "tb", InfraError("sandbox died")).as_instanceof_cause()
     assert is_infra(remote_failure(infra_inside))
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'atelier-rl[ray]'")
+    if ray.is_initialized():
+        yield ray
+        return
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.ray
+@pytest.mark.slow   # starting Ray and its actor processes takes about a minute on 2 cores
+def test_a_bug_inside_a_ray_actor_stops_the_run_with_the_workers_traceback(ray_instance, tiny_model_dir, tmp_path):
+    from atelier.config import load_config
+    from atelier.errors import BugError
+    from atelier.rl.config import TrainConfig
+    from atelier.rl.run import run_training
+
+    recipe = _recipe(tmp_path, tiny_model_dir, "buggy", f'fixed = "{tmp_path / "fixed"}"', steps=2)
+    config = load_config(TrainConfig, recipe, ["launcher=ray"])
+    with pytest.raises(BugError, match=r"rollout g\d+-toy-00001/\d of task toy-00001 failed with a bug.*KeyError"):
+        run_training(config, tmp_path / "run")
+    log = (tmp_path / "run" / "failures.log").read_text()
+    assert "raised remotely" in log and "no such key" in log
+    slots = Ledger.load(tmp_path / "run" / "ledger.jsonl").slots.values()
+    assert not any(s.state in ("dropped", "trained") for s in slots if s.task_id == "toy-00001")

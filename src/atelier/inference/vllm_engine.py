@@ -66,7 +66,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from atelier.errors import AtelierError
+from atelier.errors import AtelierError, InfraError
 from atelier.inference.types import Generation, SamplingParams
 from atelier.inference.vllm_server import VLLMConfig, VLLMServer, VLLMUnavailable
 
@@ -79,8 +79,9 @@ class VLLMEngineError(AtelierError):
     """A request the vLLM engine refuses (bad prompt, bad weights, closed engine)."""
 
 
-class EngineUnavailable(AtelierError):
-    """The server went away during a request: an infrastructure failure, to be retried."""
+class EngineUnavailable(AtelierError, InfraError):
+    """The server went away during a request, or the engine was closed: an infrastructure
+    failure, to be retried (atelier.failures)."""
 
 
 def fused_group(name: str) -> str:
@@ -256,7 +257,7 @@ class VLLMEngine:
         if params.max_tokens < 1:
             raise VLLMEngineError("max_tokens must be at least 1")
         if self._closed:
-            raise VLLMEngineError("the engine is closed")
+            raise EngineUnavailable("the engine is closed")
         return prompt
 
     def _body(self, context: list[int], n: int, params: SamplingParams, done: int) -> dict[str, Any]:
@@ -284,7 +285,7 @@ class VLLMEngine:
         with self._fence.shared() as version:
             epoch = self._server_epoch
             if self._closed:
-                raise VLLMEngineError("the engine is closed")
+                raise EngineUnavailable("the engine is closed")
             try:
                 response = self._http.post("/v1/completions", json=body)
                 failure = None if response.status_code < 500 else f"HTTP {response.status_code}: {response.text[:300]}"

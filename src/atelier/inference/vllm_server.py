@@ -42,7 +42,7 @@ from typing import Literal
 from pydantic import Field
 
 from atelier.config import AtelierConfig
-from atelier.errors import AtelierError
+from atelier.errors import AtelierError, InfraError
 
 WORKER_EXTENSION = "atelier.inference.vllm_worker.AtelierWorkerExtension"
 PYTHON_ENV_VAR = "ATELIER_VLLM_PYTHON"
@@ -81,8 +81,8 @@ class VLLMConfig(AtelierConfig):
     """More command-line flags for the server."""
 
 
-class VLLMUnavailable(AtelierError):
-    """vLLM cannot be started or reached."""
+class VLLMUnavailable(AtelierError, InfraError):
+    """vLLM cannot be started or reached (inside a rollout: an infrastructure failure)."""
 
 
 def find_vllm_python(config: VLLMConfig) -> Path:
