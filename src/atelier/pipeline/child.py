@@ -5,9 +5,10 @@
 Reads the run's frozen `config.toml` and `stages.json`, runs the stage and
 writes its events to EVENTS_FD, one JSON object per line: `{"say": text}`,
 `{"progress": [done, total]}`, and last `{"outputs": {...}}` (exit 0) or
-`{"error": message, "hint": hint}` for an `AtelierError` (exit 2). Any other
-exception is a bug: its traceback goes to stderr (the stage's log) and the
-exit status is 1.
+`{"error": message, "hint": hint}` for an `AtelierError` (exit 2), or
+`{"bug": message, "hint": hint}` for a `BugError` (a bug a batch edge caught
+and logged with its traceback: exit 1). Any other exception is a bug: its
+traceback goes to stderr (the stage's log) and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 def main(argv: list[str]) -> int:
     from atelier.config import load_config
-    from atelier.errors import AtelierError
+    from atelier.errors import AtelierError, BugError
     from atelier.pipeline.config import RunConfig
     from atelier.pipeline.stages import _Context, _Ledger
 
@@ -37,6 +38,9 @@ def main(argv: list[str]) -> int:
         except AtelierError as exc:
             emit(error=exc.message, hint=exc.hint)
             return 2
+        except BugError as exc:
+            emit(bug=exc.message, hint=exc.hint)
+            return 1
     return 0
 
 

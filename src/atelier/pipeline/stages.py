@@ -50,7 +50,7 @@ from typing import Any, Callable, Mapping
 
 from atelier.compat import tomllib
 from atelier.config import dump_config
-from atelier.errors import AtelierError
+from atelier.errors import AtelierError, BugError
 from atelier.fsio import atomic_write
 from atelier.pipeline.config import RunConfig
 
@@ -115,7 +115,7 @@ def run_in_child(stage: str, run_dir: Path, recipe_dir: Path, say: Say,
 
     The child reads the frozen `config.toml` and `stages.json`, so it sees
     exactly what the parent does. Its events (one JSON object per line:
-    `say`, `progress`, then `outputs` or `error`) come over a pipe of their
+    `say`, `progress`, then `outputs`, `error` or `bug`) come over a pipe of their
     own; its stdout and stderr (library chatter, a traceback) go to
     `logs/<stage>.log`, whose tail a failure shows."""
     log_path = run_dir / "logs" / f"{stage}.log"
@@ -142,13 +142,15 @@ def run_in_child(stage: str, run_dir: Path, recipe_dir: Path, say: Say,
                     progress(stage, *event["progress"])
                 elif "outputs" in event:
                     outputs = event["outputs"]
-                elif "error" in event:
+                elif "error" in event or "bug" in event:
                     error = event
         code = child.wait()
     except BaseException:  # Ctrl-C or a failing callback: the child must not outlive the run
         child.kill()
         child.wait()
         raise
+    if error is not None and "bug" in error:   # a rollout or attempt hit a bug (atelier.failures)
+        raise BugError(f"[{stage}] {error['bug']}", hint=error.get("hint"))
     if error is not None:
         raise PipelineError(f"[{stage}] {error['error']}", hint=error.get("hint"))
     if code != 0 or outputs is None:
