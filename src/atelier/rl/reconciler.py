@@ -136,7 +136,6 @@ class Counters:
     """Infrastructure failures (each retried or, past `max_retries`, dropped)."""
     infra_types: Counter = field(default_factory=Counter)
     """The same by exception type."""
-    bugs: int = 0
     since: float = field(default_factory=time.perf_counter)
 
 
@@ -267,7 +266,6 @@ class Reconciler:
         """Not the infrastructure's, not the model's: stop the run; the slot runs again on resume."""
         where = f"{slot.slot_id} (task {slot.task_id}, attempt {slot.attempt})"
         self.failure_log.record("bug", where, exc)
-        self.counters.bugs += 1
         self.ledger.set(slot.slot_id, "queued", failure=f"bug: {describe(exc)}")
         if self.fatal is None:
             run_dir = self.rollouts_dir.parent
