@@ -24,10 +24,10 @@ from atelier.rl.ledger import Ledger
 
 def test_split_by_file_never_shares_a_file() -> None:
     files = {
-        "a1": {"pkg/a.py", "tests/test_a.py"}, "a2": {"pkg/a.py", "tests/test_a.py"},
-        "b1": {"pkg/b.py", "tests/test_b.py"}, "b2": {"pkg/b.py", "tests/test_bc.py"},
-        "c1": {"pkg/c.py", "tests/test_bc.py"},  # linked to b2 by a test file, so to b1 as well
-        "d1": {"pkg/d.py", "tests/test_d.py"},
+        "a1": {"pkg/a.py"}, "a2": {"pkg/a.py"},
+        "b1": {"pkg/b.py"}, "b2": {"pkg/b.py", "pkg/bc.py"},
+        "c1": {"pkg/c.py", "pkg/bc.py"},  # linked to b2 by a shared file, so to b1 as well
+        "d1": {"pkg/d.py"},
     }
     for seed in range(20):
         test = split_by_file(files, 3, seed)

@@ -45,9 +45,9 @@ class TasksStage(AtelierConfig):
     """Mutations per task at most; with more than 1 a task may span files,
     which links tasks together for the file split."""
     split: Literal["file", "random"] = "file"
-    """"file": held-out tasks share no file (source changed by the gold patch,
-    hidden test file) with training tasks: whole groups of tasks linked by a
-    shared file go to one side. "random": a seeded shuffle of tasks."""
+    """"file": held-out tasks share no source file (changed by the gold patch)
+    with training tasks: whole groups of tasks linked by a shared file go to
+    one side. "random": a seeded shuffle of tasks."""
 
     @model_validator(mode="after")
     def _check(self) -> "TasksStage":

@@ -406,10 +406,16 @@ class GoldReplay:
 
 
 def task_files(task: Any) -> set[str]:
-    """The files a task touches: those its gold patch changes and its hidden tests."""
+    """The source files a task's gold patch changes: what the file split keeps apart.
+
+    Hidden test modules are left out on purpose: one mutation can break tests
+    in several modules (funcy's `flow.py` breaks five), and linking tasks by
+    them joins nearly every task into one component. A held-out task may so
+    be graded by a test module that also grades a training task; the code to
+    fix is never shared."""
     from atelier.tasks.swebench import patch_files
 
-    return set(patch_files(task.gold_patch)) | set(task.hidden_tests)
+    return set(patch_files(task.gold_patch))
 
 
 def split_by_file(files: Mapping[str, set[str]], test_count: int, seed: int) -> set[str]:
