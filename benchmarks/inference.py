@@ -477,8 +477,10 @@ def main() -> None:
         ctx = Context(path, args, [_chat_ids(tokenizer, PROMPTS[i % len(PROMPTS)] + f" (#{i})") for i in range(n)],
                       tokenizer)
         report["prompt_tokens"] = [len(p) for p in ctx.prompts[:16]]
-        report["rows"] = {name: ROWS[name](ctx) for name in args.rows.split(",") if name}
-        rows = report["rows"]
+        rows = report["rows"] = {}
+        for name in filter(None, args.rows.split(",")):
+            rows[name] = ROWS[name](ctx)
+            print(f"{name}: {json.dumps(rows[name])}", file=sys.stderr, flush=True)  # progress
         ours, hf = rows.get(f"builtin_{'bf16' if default == 'bfloat16' else 'fp32'}"), \
             [r for k, r in rows.items() if k.startswith("transformers")]
         if ours and hf and "16" in ours:
