@@ -207,6 +207,14 @@ class RlOptions(AtelierConfig):
     loggers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
     """Extra metric sinks besides RUN_DIR/metrics.jsonl (each needs its package installed)."""
 
+    @model_validator(mode="after")
+    def _replay_needs_routes(self) -> "RlOptions":
+        if self.trainer.router_replay:
+            raise ValueError("trainer.router_replay = true needs a sampler that returns the experts it chose "
+                             "for every token; the built-in engine and the vLLM backend do not yet, so a run "
+                             "cannot replay them (the trainer side is atelier.moe.replay; set it to false)")
+        return self
+
 
 class TrainConfig(RlOptions):
     model: str = "tiny"
