@@ -270,3 +270,38 @@ def test_engine_option_is_typed_and_reaches_open_model(vllm_engine, vllm_model_d
             assert isinstance(model, VLLMEngine) and isinstance(model, TokenModel)
             assert model.server is None  # connected, not started
             assert model.generate(prompt, greedy(CHUNK)).token_ids == want
+
+
+def test_a_server_group_dies_with_atelier(tmp_path):
+    """`kill -9` of the process that started a server (the trainer) takes the server's whole group
+    with it: the watchdog `VLLMServer` starts in it. A `sleep` stands in for vLLM's processes."""
+    import subprocess
+    import sys
+
+    script = (
+        "import subprocess, sys\n"
+        "from atelier.inference.vllm_server import in_group, start_watchdog\n"
+        "leader = subprocess.Popen(['sleep', '600'], **in_group(0))\n"
+        "child = subprocess.Popen(['sleep', '600'], **in_group(leader.pid))\n"
+        "start_watchdog(leader.pid)\n"
+        "print(leader.pid, child.pid, flush=True)\n"
+        "import time; time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    pids = [int(p) for p in parent.stdout.readline().split()]
+    assert len(pids) == 2 and all(_alive(p) for p in pids)
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 60
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie waits only for its reaper
+    except OSError:
+        return False

@@ -21,9 +21,16 @@ which imports nothing else of ours). Why each flag:
   change the distribution the trainer recomputes).
 - the worker extension: weight reloads that re-tie a tied `lm_head`.
 
-The server runs in its own process group, so stopping it (or replacing one
+The server runs in a process group of its own, so stopping it (or replacing one
 that died) also ends vLLM's engine-core and worker processes. Its output goes
-to a log file whose tail is quoted when it fails to start.
+to a log file whose tail is quoted when it fails to start. If atelier itself
+is killed (`kill -9` of the trainer), a watchdog in the server's group (a
+few lines of Python polling its parent's pid) kills the group: vLLM's engine
+core and workers do not watch their parent. PR_SET_PDEATHSIG would not do:
+it fires when the *thread* that started the child exits, and a server may be
+restarted from a rollout thread. As a second line, the next server started
+with the same log path (what `--resume` does) kills whatever is left of a
+group whose id is kept next to the log.
 
 To connect to a server you started yourself, set `vllm.url`; start it with
 the same flags and environment (`server_command` prints them).
@@ -35,6 +42,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Literal
@@ -47,6 +55,9 @@ from atelier.errors import AtelierError, InfraError
 WORKER_EXTENSION = "atelier.inference.vllm_worker.AtelierWorkerExtension"
 PYTHON_ENV_VAR = "ATELIER_VLLM_PYTHON"
 VENV_NAME = ".venv-vllm"
+# Runs in the server's process group: once its parent (atelier) is gone, kill the whole group.
+WATCHDOG = ("import os, signal, sys, time\nparent = int(sys.argv[1])\n"
+            "while os.getppid() == parent:\n    time.sleep(1)\nos.killpg(0, signal.SIGKILL)\n")
 
 
 class VLLMConfig(AtelierConfig):
@@ -73,7 +84,8 @@ class VLLMConfig(AtelierConfig):
     """Skip torch.compile and CUDA graphs: starts much sooner (restarts too), runs slower."""
     port: int = Field(0, ge=0, le=65535)
     """Port for a server atelier starts; 0: a free one."""
-    startup_timeout_s: float = Field(900.0, gt=0)
+    startup_timeout_s: float = Field(1800.0, gt=0)
+    """A first start compiles the model (minutes; cached for later starts); a loaded CPU takes longer."""
     request_timeout_s: float = Field(600.0, gt=0)
     max_restarts: int = Field(20, ge=0)
     """Restarts of a server that died before the engine gives up (each outage retries its rollouts)."""
@@ -139,6 +151,39 @@ def server_command(config: VLLMConfig, python: Path | str, model_dir: str | Path
     return args, env
 
 
+def in_group(pgid: int) -> dict:
+    """Popen arguments that put the child in process group `pgid` of this session (0: a new one)."""
+    if sys.version_info >= (3, 11):
+        return {"process_group": pgid}
+    return {"preexec_fn": lambda: os.setpgid(0, pgid)}
+
+
+def start_watchdog(pgid: int) -> subprocess.Popen:
+    """A process in group `pgid` that kills the group once this process is gone."""
+    return subprocess.Popen([sys.executable, "-c", WATCHDOG, str(os.getpid())], stdin=subprocess.DEVNULL,
+                            **in_group(pgid))
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Processes in process group `pgid` (Linux /proc; empty elsewhere)."""
+    members = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -156,6 +201,7 @@ class VLLMServer:
         self.python = find_vllm_python(config)
         self.port = config.port or free_port()
         self.proc: subprocess.Popen | None = None
+        self.watchdog: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
@@ -179,13 +225,15 @@ class VLLMServer:
         if model_dir is not None:
             self.model_dir = Path(model_dir)
         self.stop()
+        self._reap_orphans()
         args, extra = server_command(self.config, self.python, self.model_dir, self.served_name, self.port,
                                      self.max_model_len)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             log.write(f"\n=== atelier: starting {' '.join(args)}\n".encode())
             self.proc = subprocess.Popen(args, env={**os.environ, **extra}, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, **in_group(0))
+        self.watchdog = start_watchdog(self.proc.pid)
         self.pid_path.write_text(f"{self.proc.pid}\n")  # for operators (and tests) that need to find it
         deadline = time.monotonic() + self.config.startup_timeout_s
         while time.monotonic() < deadline:
@@ -224,6 +272,25 @@ class VLLMServer:
             break
         if proc.poll() is None:
             proc.wait(timeout=10)
+        if self.watchdog is not None:  # killed with the group; collect it
+            try:
+                self.watchdog.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.watchdog.kill()
+            self.watchdog = None
+
+    def _reap_orphans(self) -> None:
+        """Kill what is left of a server a killed atelier started with this log path (its process group)."""
+        try:
+            pgid = int(self.pid_path.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return
+        for pid in _group_members(pgid):
+            if b"vllm" in _cmdline(pid).lower():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     def log_tail(self, lines: int = 25) -> str:
         try:
