@@ -156,3 +156,22 @@ def test_todo_write_keeps_state_and_submit_ends(call, ctx):
     with pytest.raises(Submitted) as done:
         call("submit", message="all done")
     assert done.value.message == "all done"
+
+
+def test_run_terminal_says_a_command_ran_out_of_memory(repo, bwrap_ready):
+    """An agent's command killed for passing the memory limit is a tool result
+    the agent reads (its own doing), not an infrastructure failure."""
+    from atelier.harness.tools import ToolContext
+    from atelier.sandbox import SandboxConfig, create_sandbox
+
+    with create_sandbox(repo, SandboxConfig(memory_mb=128, timeout_s=30)) as sb:
+        cgroup = getattr(sb, "_cgroup", None)
+        out = call_tool(default_tools(), ToolContext(sb), "run_terminal",
+                        {"command": "python3 -c 'bytearray(1024**3)'"})
+        if cgroup is not None and cgroup.limits_memory:
+            assert out.output.startswith("exit code: 137 (a process was killed for passing the "
+                                         "sandbox's memory limit of 128 MiB)"), out.output
+        else:  # RLIMIT_AS only: the process's own MemoryError is what there is to see
+            assert out.output.startswith("exit code: 1\n") and "MemoryError" in out.output
+        assert call_tool(default_tools(), ToolContext(sb), "run_terminal",
+                         {"command": "echo fine"}).output == "exit code: 0\nfine"

@@ -95,3 +95,25 @@ def test_process_cap_holds_without_cgroups(make_sandbox, snapshot, monkeypatch) 
     bomb = sb.exec("for i in $(seq 100); do sleep 5 & done", timeout=10)
     assert "fork" in bomb.stderr.lower(), bomb
     assert sb.exec("echo alive").stdout == "alive\n"
+
+
+def test_out_of_memory_without_a_memory_cgroup(make_sandbox, snapshot, monkeypatch) -> None:
+    """Without a memory cgroup, RLIMIT_AS is the limit: the allocation fails
+    inside the process and nothing claims an OOM kill it cannot see."""
+    from atelier.sandbox import cgroups
+    from atelier.sandbox.hostfs import python_executable, python_mounts
+
+    monkeypatch.setattr(cgroups, "_candidate_parents", lambda controller: [])
+    sb = make_sandbox(snapshot, memory_mb=256, ro_mounts=python_mounts())
+    assert sb._cgroup is not None and not sb._cgroup.limits_memory
+    res = sb.exec([python_executable(), "-c", "bytearray(1024**3)"])
+    assert res.exit_code == 1 and "MemoryError" in res.stderr and not res.oom_killed
+
+
+def test_oom_kill_counts_are_read_from_v1_and_v2_files() -> None:
+    from atelier.sandbox.cgroups import parse_oom_kills
+
+    v2 = "low 0\nhigh 0\nmax 12\noom 3\noom_kill 2\noom_group_kill 0\n"
+    v1 = "oom_kill_disable 0\nunder_oom 0\noom_kill 5\n"
+    assert parse_oom_kills(v2) == 2 and parse_oom_kills(v1) == 5
+    assert parse_oom_kills("oom_kill_disable 0\nunder_oom 0\n") is None  # a kernel that does not count

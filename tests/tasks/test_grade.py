@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from atelier.cli import main as cli
+from atelier.failures import is_infra
+from atelier.sandbox import SandboxOutOfMemory, create_sandbox
 from atelier.tasks import load_task
 from atelier.tasks.envs import MARKER, ensure_env, env_mounts
 from atelier.tasks.grade import grade
@@ -107,6 +109,26 @@ def test_timeout_is_infrastructure(task_factory, env_cache: Path, h) -> None:
     patch = h.make_patch({"calc/__init__.py": (h.REPO["calc/__init__.py"], "import time\ntime.sleep(30)\n")})
     r = run(task, patch, env_cache)
     assert r.infra_error and r.reward == 0.0 and "timed out after 2 s" in r.error
+
+
+def test_out_of_memory_is_infrastructure(task_factory, env_cache: Path, h) -> None:
+    """A test run killed for passing the memory limit is retried, never scored
+    (where a memory cgroup can tell; with RLIMIT_AS alone it is a MemoryError,
+    a failing test like any other)."""
+    task = load_task(task_factory())
+    task = task.model_copy(update={"limits": task.limits.model_copy(update={"memory_mb": 256})})
+    hog = h.OPS_FIXED.replace("return a + b", "x = bytearray(1024**3)\n    return a + b + len(x) * 0", 1)
+    patch = h.make_patch({"calc/ops.py": (h.OPS, hog)})
+    with create_sandbox(task.snapshot, task.limits.sandbox_config(backend="bwrap")) as probe:
+        cgroup = getattr(probe, "_cgroup", None)
+        counted = cgroup is not None and cgroup.limits_memory and cgroup.oom_kills() is not None
+    if counted:
+        with pytest.raises(SandboxOutOfMemory, match="memory limit") as info:
+            run(task, patch, env_cache)
+        assert is_infra(info.value)
+    else:
+        r = run(task, patch, env_cache)
+        assert r.reward == 0.0 and not r.infra_error and r.tests["tests/test_calc.py::test_add"] == "failed"
 
 
 def test_grading_a_live_sandbox_forks_it(task, env_cache: Path, h) -> None:

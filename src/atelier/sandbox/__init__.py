@@ -17,6 +17,7 @@ from atelier.sandbox.base import (
     SandboxConfig,
     SandboxError,
     SandboxLimitExceeded,
+    SandboxOutOfMemory,
     SandboxPathError,
     SandboxUnavailable,
     SnapshotMissing,
@@ -24,7 +25,7 @@ from atelier.sandbox.base import (
 
 __all__ = [
     "WORKDIR", "ExecResult", "Sandbox", "SandboxClosed", "SandboxConfig", "SandboxError",
-    "SandboxLimitExceeded", "SandboxPathError", "SandboxUnavailable", "SnapshotMissing",
+    "SandboxLimitExceeded", "SandboxOutOfMemory", "SandboxPathError", "SandboxUnavailable", "SnapshotMissing",
     "create_sandbox", "SandboxPool", "PoolExhausted",
 ]
 

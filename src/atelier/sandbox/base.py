@@ -76,8 +76,12 @@ class SandboxConfig(BaseModel):
     """Default wall-clock limit of one `exec`; the whole process group is killed
     past it and the result has exit code 124 and `timed_out=True`."""
     memory_mb: int = Field(2048, gt=0)
-    """Address-space limit of each process (RLIMIT_AS); also a memory cgroup
-    limit for the whole sandbox where a writable cgroup hierarchy exists."""
+    """Memory of the whole sandbox where a memory cgroup is writable (bwrap as
+    root): past it the kernel kills a process and the result says
+    `oom_killed`. Elsewhere, the address-space limit of each process
+    (RLIMIT_AS): an allocation past it fails inside the process (Python's
+    `MemoryError`, ENOMEM, a C++ abort), which the sandbox cannot tell apart
+    from the program's own failure, so `oom_killed` stays False."""
     max_processes: int = Field(256, gt=0)
     """Processes and threads the sandbox may hold at once."""
     disk_mb: int = Field(1024, gt=0)
@@ -143,6 +147,10 @@ class ExecResult:
     duration_s: float
     truncated: bool = False
     """True when stdout or stderr was cut at `output_limit_bytes`."""
+    oom_killed: bool = False
+    """The kernel killed a process of the sandbox for passing its memory
+    cgroup's limit while this command ran (see `SandboxConfig.memory_mb`:
+    only detected where such a cgroup exists; never by the local backend)."""
 
     @property
     def ok(self) -> bool:
@@ -163,6 +171,12 @@ class SnapshotMissing(SandboxError):
 
 class SandboxLimitExceeded(SandboxError):
     """A limit of the sandbox was hit (disk cap, process count …)."""
+
+
+class SandboxOutOfMemory(SandboxLimitExceeded):
+    """A process was killed for passing the sandbox's memory limit where that
+    says nothing about the code being judged (a graded test run): an
+    infrastructure failure, retried and never scored (`atelier.failures`)."""
 
 
 class SandboxClosed(SandboxError):

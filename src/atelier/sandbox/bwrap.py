@@ -40,8 +40,8 @@ Isolated:
     (Linux < 5.19, or a filesystem that lacks them) the workspace is a copy.
 - Environment. Commands get an explicit environment (PATH, HOME=/tmp,
   LANG, plus `env`); no host variable leaks in.
-- Resources. Per process: address space (`memory_mb`), file size, open files
-  and CPU time. Per sandbox: process count (RLIMIT_NPROC counts per user
+- Resources. Per process: address space (`memory_mb`, only without a
+  memory cgroup), file size, open files and CPU time. Per sandbox: process count (RLIMIT_NPROC counts per user
   namespace; for root, also a pids cgroup, see `cgroups`), bytes written
   (tmpfs size). Per `exec`: a wall-clock timeout that kills the process group, and an
   output cap.
@@ -51,7 +51,12 @@ Not isolated:
   Firecracker-class isolation needs a VM.
 - Memory is limited per process (RLIMIT_AS), not per sandbox, unless a memory
   cgroup is writable (root); many processes can together use
-  `max_processes x memory_mb`.
+  `max_processes x memory_mb`. With the cgroup, RLIMIT_AS is not set (it
+  counts reserved address space, not memory, and would fail allocations
+  before the cgroup could act), the whole sandbox gets `memory_mb`, and a
+  process killed for passing it sets `ExecResult.oom_killed` (compared
+  `oom_kill` counts, see `cgroups`). Without it, running out of memory is a
+  failed allocation inside the process and is not reported as such.
 - CPU time is limited per process, not shared fairly between sandboxes.
 - `fork()` copies files, not running processes or their memory.
 - Read-only host files that are bound (the system directories) can be read.
@@ -68,6 +73,7 @@ whose owner is unmapped (EOVERFLOW).
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import errno
 import functools
 import logging
@@ -341,13 +347,15 @@ class BwrapSandbox(Sandbox):
         # root lets nsenter drop its groups and become uid/gid 0 of the
         # sandbox's namespace, i.e. the unprivileged host id.
         keep_ids = ["--preserve-credentials"] if self._host_id is None else []
+        cgroup_memory = self._cgroup is not None and self._cgroup.limits_memory
         full = [
             "nsenter", "-t", str(self._holder_pid), "-U", "-m", "-n", "-p", "-i", "-u", "-C",
             *keep_ids, "-r", f"--wd=/proc/{self._holder_pid}/root{WORKDIR}",
             "--",
             "setpriv", "--no-new-privs", "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all",
             "--",
-            "prlimit", f"--as={cfg.memory_mb * MiB}", f"--nproc={cfg.max_processes}",
+            "prlimit", f"--as={'unlimited' if cgroup_memory else cfg.memory_mb * MiB}",
+            f"--nproc={cfg.max_processes}",
             f"--fsize={cfg.max_file_mb * MiB}", f"--nofile={cfg.max_open_files}",
             f"--cpu={cfg.cpu_time_s}", "--",
             *argv,
@@ -357,8 +365,12 @@ class BwrapSandbox(Sandbox):
         proxy = egress.proxy_env(cfg.egress.port) if cfg.network == "proxy" else {}
         run_env = {"PATH": SANDBOX_PATH, "HOME": "/tmp", "LANG": "C.UTF-8", "TERM": "dumb",
                    "TMPDIR": "/tmp", **proxy, **cfg.env, **(env or {})}
-        return run_process(full, env=run_env, cwd=None, timeout=timeout or cfg.timeout_s,
-                           output_limit=cfg.output_limit_bytes, stdin=stdin, on_output=on_output)
+        kills_before = self._cgroup.oom_kills() if cgroup_memory else None
+        res = run_process(full, env=run_env, cwd=None, timeout=timeout or cfg.timeout_s,
+                          output_limit=cfg.output_limit_bytes, stdin=stdin, on_output=on_output)
+        if kills_before is not None and (self._cgroup.oom_kills() or 0) > kills_before:
+            res = dataclasses.replace(res, oom_killed=True)
+        return res
 
     # -- files -----------------------------------------------------------
     def read_bytes(self, path: str) -> bytes:

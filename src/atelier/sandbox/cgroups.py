@@ -6,6 +6,14 @@ sandboxes run as an unprivileged uid, see `rootmap`), so a fork bomb stops at
 `max_processes`; the cgroup adds `pids.max` as a second wall and, where the
 memory controller is there, `memory.max` / `memory.limit_in_bytes` for the
 whole sandbox rather than per process.
+
+Out of memory: with a memory cgroup, the kernel kills a process of the
+sandbox when the sandbox as a whole passes `memory_mb` (swap is capped at 0
+where the kernel lets us, so the limit is not softened by swapping), and
+counts each kill: `oom_kill` in `memory.events` (v2) or `memory.oom_control`
+(v1). `oom_kills()` reads that count; a backend compares it before and after
+a command to say `ExecResult.oom_killed` exactly (any OOM kill of a process
+of the sandbox while the command ran, its own or a background process's).
 """
 
 from __future__ import annotations
@@ -58,7 +66,10 @@ class SandboxCgroup:
         name = f"atelier-{uuid.uuid4().hex[:12]}"
         for controller, files in (
             ("pids", {"pids.max": str(max_processes)}),
-            ("memory", {"memory.max": str(memory_bytes), "memory.limit_in_bytes": str(memory_bytes)}),
+            # memsw after limit_in_bytes: v1 refuses a memory+swap limit below the memory limit.
+            ("memory", {"memory.max": str(memory_bytes), "memory.swap.max": "0",
+                        "memory.limit_in_bytes": str(memory_bytes),
+                        "memory.memsw.limit_in_bytes": str(memory_bytes)}),
         ):
             for parent in _candidate_parents(controller):
                 d = parent / name
@@ -67,7 +78,13 @@ class SandboxCgroup:
                     wrote = False
                     for fname, value in files.items():
                         if (d / fname).exists():
-                            (d / fname).write_text(value)
+                            try:
+                                (d / fname).write_text(value)
+                            except OSError as exc:
+                                if fname.startswith(("memory.swap", "memory.memsw")):
+                                    log.debug("cgroup %s: swap not capped: %s", d, exc)
+                                    continue  # a swap cap is a refinement, not the limit
+                                raise
                             wrote = True
                     if wrote:
                         self.dirs.append(d)
@@ -75,6 +92,31 @@ class SandboxCgroup:
                     d.rmdir()
                 except OSError as exc:
                     log.debug("cgroup %s unusable: %s", d, exc)
+
+    @property
+    def limits_memory(self) -> bool:
+        """Whether a memory cgroup bounds the whole sandbox (and counts OOM kills)."""
+        return self._memory_dir() is not None
+
+    def _memory_dir(self) -> Path | None:
+        for d in self.dirs:
+            if (d / "memory.events").exists() or (d / "memory.oom_control").exists():
+                return d
+        return None
+
+    def oom_kills(self) -> int | None:
+        """Processes of the sandbox the kernel's OOM killer has killed so far;
+        None without a memory cgroup (or a kernel older than 4.13, which does
+        not count them)."""
+        d = self._memory_dir()
+        if d is None:
+            return None
+        name = "memory.events" if (d / "memory.events").exists() else "memory.oom_control"
+        try:
+            text = (d / name).read_text()
+        except OSError:
+            return None
+        return parse_oom_kills(text)
 
     def wrap(self, argv: list[str]) -> list[str]:
         if not self.dirs:
@@ -96,6 +138,15 @@ class SandboxCgroup:
         self.dirs = []
         if busy:
             threading.Thread(target=_remove_when_empty, args=(busy,), daemon=True).start()
+
+
+def parse_oom_kills(text: str) -> int | None:
+    """The `oom_kill` count of a `memory.events` or `memory.oom_control` file."""
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill" and value.strip().isdigit():
+            return int(value)
+    return None
 
 
 def _remove_when_empty(dirs: list[Path], attempts: int = 500) -> None:

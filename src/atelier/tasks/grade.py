@@ -66,6 +66,12 @@ test counts as failed; pytest's exit code must agree with the results
 (canaries included). reward = 1.0 only when every fail_to_pass and every
 pass_to_pass test passed, nothing was tampered and there was no error.
 
+A test run killed for passing the sandbox's memory limit
+(`ExecResult.oom_killed`, detected where a memory cgroup bounds the sandbox)
+raises `SandboxOutOfMemory`, an infrastructure failure (`atelier.failures`):
+RL and evaluation retry it, nothing is scored. Where only RLIMIT_AS bounds
+memory, the test sees a `MemoryError` and fails like any other test.
+
 A timeout of the test run is an infrastructure error (`infra_error=True`):
 the trainer excludes and retries it rather than scoring 0 (see PITFALLS),
 unless the stream already proves tampering, or it is complete (the process
@@ -94,7 +100,7 @@ import shlex
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from atelier.sandbox import Sandbox, SandboxError, create_sandbox
+from atelier.sandbox import Sandbox, SandboxError, SandboxOutOfMemory, create_sandbox
 from atelier.tasks import reporter, tamper as tamper_mod
 from atelier.tasks.envs import ensure_env, env_mounts, env_python
 from atelier.tasks.junit import Status
@@ -296,6 +302,11 @@ def grade_in(sb: Sandbox, task: Task, patch: str, python: str | None, *,
     run = sb.exec(argv, timeout=timeout, env={"PYTHONDONTWRITEBYTECODE": "1"}, stdin=stdin,
                   on_output=collect)
     tail = run.stderr[-4000:]
+    if run.oom_killed:
+        raise SandboxOutOfMemory(
+            f"task {task.id}: the test run was killed for passing the sandbox's memory limit "
+            f"({sb.config.memory_mb} MiB); not scored",
+            hint="an infrastructure failure: retried; raise the task's memory limit if it recurs")
     if not chunks and run.exit_code in (126, 127):  # the shell's "cannot run" / "not found"
         return score(f2p, p2p, None, run.exit_code, timeout_s=timeout, log_tail=tail, suspect=suspect,
                      error=f"could not start the test command {argv[0]} (exit {run.exit_code})")

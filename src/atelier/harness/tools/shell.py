@@ -22,6 +22,10 @@ def run_terminal(ctx: ToolContext, command: str, timeout: int | float | None = N
     if res.timed_out:
         capped = f"; {timeout:g} s was asked for, the limit is {limit:g} s" if timeout and timeout > limit else ""
         parts[0] = f"timed out after {limit:g} s (the command was killed; exit code {res.exit_code}{capped})"
+    elif res.oom_killed:
+        # The agent's own command used too much memory: its doing, shown to it, not an infra failure.
+        parts[0] = (f"exit code: {res.exit_code} (a process was killed for passing the sandbox's "
+                    f"memory limit of {ctx.sandbox.config.memory_mb} MiB)")
     if out:
         parts.append(out.rstrip("\n"))
     if err:
