@@ -268,8 +268,9 @@ class VLLMEngine:
         }
         if params.seed is not None:
             body["seed"] = (int(params.seed) * 1_000_003 + done) % (2**31)
-        if params.stop_token_ids:  # they replace the default (eos), as in the built-in engine
-            body["stop_token_ids"] = list(params.stop_token_ids)
+        if params.stop_token_ids:  # they replace the default (eos), as in the built-in engine; an id
+            # outside the vocabulary (-1: "never stop") can never be sampled, and vLLM refuses it
+            body["stop_token_ids"] = [int(t) for t in params.stop_token_ids if 0 <= int(t) < self.vocab_size]
             body["ignore_eos"] = True
         if params.stop:
             body["stop"] = list(params.stop)
