@@ -164,6 +164,8 @@ def test_stop_strings_and_bad_input(vllm_engine):
     assert got.token_ids == full.token_ids[:len(got.token_ids)]
     assert stop in vllm_engine.tokenizer.decode(got.token_ids, skip_special_tokens=False)
     assert stop not in vllm_engine.tokenizer.decode(got.token_ids[:-1], skip_special_tokens=False)
+    never = vllm_engine.generate(prompt, SamplingParams(max_tokens=CHUNK + 2, temperature=0.0, stop_token_ids=(-1,)))
+    assert len(never.token_ids) == CHUNK + 2 and never.finish_reason == "length"  # -1: never stop, no eos
     with pytest.raises(VLLMEngineError):
         vllm_engine.generate([vllm_engine.vocab_size + 5], greedy(2))
     with pytest.raises(VLLMEngineError):
