@@ -12,11 +12,21 @@ A run directory::
 them. A run killed mid-write leaves at most one partial last line, which
 `read_records` skips. When one attempt has several records (an infrastructure
 error, then a retry), the last one counts.
+
+Crash consistency (the rule of `atelier.fsio`): an attempt's commit point is
+its fsynced line in `results.jsonl`. What it owns, its trajectory, is written
+(atomically) before that line; an attempt killed before its line is not
+finished and runs again on resume, overwriting its trajectory. `eval.json`
+is rewritten (atomically) at each start and `summary.json` is rebuilt from
+the records at each end, so neither can disagree with the records for long.
+The named crash points (`eval.after_meta`, `eval.after_trajectory`,
+`eval.after_record`, `eval.before_summary`) are tested in turn.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -90,9 +100,9 @@ def trajectory_path(task_id: str, pass_index: int) -> str:
 class ResultsWriter:
     """Appends records to `results.jsonl` from many threads.
 
-    Ordering: each `append` writes one whole line under a lock and flushes it
-    to the OS before returning, so a record is on disk (barring a machine
-    crash) once the attempt counts as finished, and lines never interleave.
+    Ordering: each `append` writes one whole line under a lock and fsyncs it
+    before returning, so a record is on disk once the attempt counts as
+    finished, and lines never interleave.
     A partial last line left by a killed run is ended first, so it stays one
     unreadable line instead of swallowing the next record.
     """
@@ -110,6 +120,7 @@ class ResultsWriter:
                     line = b"\n" + line
             fh.write(line)
             fh.flush()
+            os.fsync(fh.fileno())
 
 
 def read_records(run_dir: str | Path, *, latest: bool = True) -> list[EvalRecord]:

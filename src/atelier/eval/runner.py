@@ -44,6 +44,7 @@ from atelier.eval.prices import PriceTable, load_prices
 from atelier.eval.records import (META_FILE, SUMMARY_FILE, EvalError, EvalRecord, ResultsWriter,
                                   read_json, read_records, trajectory_path, write_json)
 from atelier.failures import FailureLog, backoff_s, is_infra
+from atelier.fsio import crash_point
 from atelier.harness.config import AgentConfig
 from atelier.harness.trajectory import Trajectory
 from atelier.inference.types import ChatModel, TokenModel
@@ -118,6 +119,7 @@ def run_eval(model: Policy, tasks: Sequence[Task] | str | Path, out_dir: str | P
     run_dir = Path(out_dir)
     name = model_name(model)
     _prepare_run_dir(run_dir, name, task_list, config, agent_config, tasks)
+    crash_point("eval.after_meta")
 
     done = {r.key for r in read_records(run_dir) if not r.infra_error}
     todo = [(task, i) for i in range(config.passes) for task in task_list if (task.id, i) not in done]
@@ -129,7 +131,9 @@ def run_eval(model: Policy, tasks: Sequence[Task] | str | Path, out_dir: str | P
         for attempt in range(config.infra_retries + 1):
             time.sleep(backoff_s(config.retry_backoff_s, attempt))
             record = run_attempt(model, task, index, run_dir, config, agent_config, table)
-            writer.append(record)
+            crash_point("eval.after_trajectory")
+            writer.append(record)  # the attempt's commit point
+            crash_point("eval.after_record")
             if not record.infra_error:
                 break
         return record
@@ -143,6 +147,7 @@ def run_eval(model: Policy, tasks: Sequence[Task] | str | Path, out_dir: str | P
                 progress(n, len(todo), record)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+        crash_point("eval.before_summary")
         metrics = summarize(run_dir, threshold=config.threshold)  # K: the most passes the dir was run with
     return EvalSummary(run_dir=run_dir, metrics=metrics, ran=len(todo), skipped=skipped)
 
