@@ -26,6 +26,18 @@ Guarantees, so that a build can be stopped and run again:
   reported and retried on the next run.
 - Entries run in `jobs` threads; state writes and progress calls hold one lock.
 
+Crash consistency (the rule of `atelier.fsio`): a task's commit point is the
+rename of its validated directory into `<out>`; everything it owns is inside
+that directory. What comes after is rebuilt on resume: a task found in
+`<out>` whose state line was never written gets it then, `index.toml` is
+rewritten from the tasks present, and `build-report.json` describes the
+latest run. The staging directory is wiped at the start, and the mutation memo
+is a cache whose torn last line is ignored. Every file is written through
+`atomic_write`. The named crash points (`tasks_build.after_task`,
+`after_state`, `after_entry`, `before_index`, `after_index`) are tested in
+turn: a resumed build ends with the tasks, index and state of an
+uninterrupted one.
+
 The result: `<out>/index.toml` (every task built so far, with its split),
 `<out>/build-report.json` (built, kept, dropped with reasons, errors).
 """
@@ -43,7 +55,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable, Literal
 
-from atelier.fsio import atomic_write
+from atelier.fsio import atomic_write, crash_point
 from atelier.tasks.schema import TaskError
 from atelier.tasks.suite import MutationEntry, ReleaseEntry, Spec, atelier_cache
 
@@ -218,6 +230,8 @@ class _Builder:
         try:
             if _done(final):
                 res.kept.append(entry.task_id)
+                if self.state.get(entry.key) != {"tasks": [entry.task_id]}:  # killed before its state
+                    self.state.put(entry.key, {"tasks": [entry.task_id]})
                 return res
             known = self.state.get(entry.key)
             if known.get("dropped") and not self.retry_dropped:
@@ -246,9 +260,11 @@ class _Builder:
                 res.dropped.append({"what": entry.task_id, "reason": why})
                 self.state.put(entry.key, {"dropped": why})
             else:
-                os.replace(stage / entry.task_id, final)
+                os.replace(stage / entry.task_id, final)  # the task's commit point
+                crash_point("tasks_build.after_task")
                 res.built.append(entry.task_id)
                 self.state.put(entry.key, {"tasks": [entry.task_id]})
+                crash_point("tasks_build.after_state")
             shutil.rmtree(stage, ignore_errors=True)
         except TaskError as exc:
             res.error = exc.message
@@ -291,9 +307,11 @@ class _Builder:
                     if why is not None:
                         res.dropped.append({"what": path.name, "reason": why})
                         return why
-                    os.replace(path, final)
+                    os.replace(path, final)  # the task's commit point
+                    crash_point("tasks_build.after_task")
                     res.built.append(path.name)
                     self.state.put(entry.key, {"count": count, "tasks": res.tasks, "complete": False})
+                    crash_point("tasks_build.after_state")
                 done_units += 1
                 self.progress(1, f"{entry.package}: {len(res.tasks)}/{count} mutation tasks")
                 return None
@@ -315,6 +333,7 @@ class _Builder:
             shutil.rmtree(stage, ignore_errors=True)
             self.state.put(entry.key, {"count": count, "tasks": res.tasks, "complete": True,
                                        "candidates_dropped": res.candidates_dropped})
+            crash_point("tasks_build.after_entry")
         except (TaskError, MutationBuildError) as exc:
             res.error = exc.message
         except Exception as exc:  # noqa: BLE001
@@ -337,14 +356,17 @@ def build_suite(spec: Spec, out: str | Path, *, only: Literal["release", "mutati
     out.mkdir(parents=True, exist_ok=True)
     builder = _Builder(spec, out, backend=backend, cache=Path(cache) if cache else atelier_cache(),
                        retry_dropped=retry_dropped, progress=progress)
+    shutil.rmtree(builder.staging, ignore_errors=True)  # beyond the last commit: a killed run's leftovers
     releases, mutations = plan(spec, only, limit)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = [pool.submit(builder.release, e) for e in releases]
         futures += [pool.submit(builder.mutation, e, c) for e, c in mutations]
         results = [f.result() for f in futures]
     build = SuiteBuild(spec.spec.name, str(out), results)
+    crash_point("tasks_build.before_index")
     write_index(spec, out, builder.state)
-    (out / REPORT).write_text(json.dumps(build.to_json(), indent=2) + "\n")
+    crash_point("tasks_build.after_index")
+    atomic_write(out / REPORT, json.dumps(build.to_json(), indent=2) + "\n")
     return build
 
 
