@@ -1,5 +1,5 @@
-"""`atelier.fsio`: whole files or none, and crash points that kill exactly
-where and when they are named."""
+"""`atelier.fsio`: whole files and directories or none, and crash points that
+kill exactly where and when they are named."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from atelier.fsio import append_line, atomic_write, parse_crash_at
+from atelier.fsio import append_line, atomic_dir, atomic_write, parse_crash_at
 
 
 def test_atomic_write_replaces_whole_and_leaves_no_temporary(tmp_path: Path) -> None:
@@ -58,6 +58,37 @@ def test_append_line(tmp_path: Path) -> None:
     append_line(log, '{"a": 1}')
     append_line(log, '{"a": 2}\n')
     assert log.read_text() == '{"a": 1}\n{"a": 2}\n'
+
+
+def test_atomic_dir_replaces_whole_and_cleans_up(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt" / "step-000001"
+    with atomic_dir(target) as tmp:
+        (tmp / "meta.json").write_text("1")
+        assert not target.exists() and not tmp.name.startswith("step-")  # a glob for step-* never sees it
+    assert os.listdir(target) == ["meta.json"]
+    assert target.stat().st_mode & 0o777 == 0o777 & ~_umask()
+    with atomic_dir(target) as tmp:  # written again (a resumed run): the old copy goes
+        (tmp / "model").mkdir()
+        (tmp / "model" / "w").write_bytes(b"2")
+    assert sorted(os.listdir(target)) == ["model"] and os.listdir(target.parent) == ["step-000001"]
+    with pytest.raises(ValueError), atomic_dir(target) as tmp:
+        (tmp / "half").write_text("x")
+        raise ValueError("killed halfway")
+    assert os.listdir(target) == ["model"] and os.listdir(target.parent) == ["step-000001"]
+
+
+def test_atomic_dir_removes_a_killed_writers_temporary(tmp_path: Path) -> None:
+    script = ("import sys\nfrom atelier.fsio import atomic_dir, crash_point\n"
+              "with atomic_dir(sys.argv[1]) as tmp:\n"
+              "    (tmp / 'a').write_text('x')\n    crash_point('inside')\n")
+    env = {**os.environ, "ATELIER_CRASH_AT": "inside"}
+    res = subprocess.run([sys.executable, "-c", script, str(tmp_path / "d")], env=env, timeout=60)
+    assert res.returncode == -9
+    (left,) = os.listdir(tmp_path)
+    assert left.startswith(".d.") and left.endswith(".tmp")
+    with atomic_dir(tmp_path / "d") as tmp:
+        (tmp / "b").write_text("y")
+    assert os.listdir(tmp_path) == ["d"] and os.listdir(tmp_path / "d") == ["b"]
 
 
 def test_parse_crash_at() -> None:

@@ -1,8 +1,12 @@
 """Crash-consistent file writes, and named crash points to test them.
 
-The rule for everything a run writes: what a committed step owns is written
-before its commit point, and what lies beyond the last commit is truncated or
-rebuilt on resume. Two tools serve it:
+The rule for everything a run writes (training metrics, ledger, trajectories
+and checkpoints; evaluation records; the pipeline's stages; task-build
+caches): what a committed step owns is written before its commit point, and
+what lies beyond the last commit is truncated or rebuilt on resume. A commit
+point is one atomic act: a rename (`atomic_write`, `atomic_dir`) or one
+fsynced line appended to a log (`append_line`). Each writer's docstring names
+its commit point. The tools:
 
 - `atomic_write(path, data)`: the write-then-rename pattern, once. The data
   goes to a uniquely named temporary file in the same directory (so two
@@ -10,6 +14,10 @@ rebuilt on resume. Two tools serve it:
   a reader, or a process resumed after `kill -9`, sees the old file or the new
   one, never half of one. `append_line` adds one fsynced line to a log whose
   last line is a commit record (`metrics.jsonl`).
+- `atomic_dir(path)`: the same for a directory (a checkpoint, a pulled
+  model): built in a temporary sibling, its files fsynced, renamed to `path`
+  when the block ends without an exception. Temporaries a killed process
+  left are removed the next time the same path is written.
 - `crash_point(name)`: a named place where a test can kill the process.
   `ATELIER_CRASH_AT=name:n` sends SIGKILL to this process the n-th time the
   point is reached (n defaults to 1); unset, a crash point costs one dict
@@ -20,9 +28,12 @@ rebuilt on resume. Two tools serve it:
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 CRASH_ENV = "ATELIER_CRASH_AT"
 
@@ -48,6 +59,62 @@ def atomic_write(path: str | os.PathLike, data: bytes | str, *, fsync: bool = Tr
             pass
         raise
     return path
+
+
+@contextmanager
+def atomic_dir(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[Path]:
+    """Yield an empty temporary directory beside `path`; when the block ends
+    without an exception, fsync its files and rename it to `path` (a
+    directory already there is replaced). On an exception it is removed.
+
+    One writer per `path` (the temporaries of a killed writer, named
+    `.<name>.*.tmp`, are removed first). The temporary's name starts with a
+    dot, so a glob for finished directories (`step-*`) never sees it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        os.chmod(tmp, 0o777 & ~_UMASK)  # mkdtemp's 0700 would outlive the rename
+        yield tmp
+        if fsync:
+            _fsync_tree(tmp)
+        if path.exists():  # a stale copy (a resumed run writes it again): moved aside, then removed
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+            os.replace(path, old / "old")
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+        if fsync:
+            _fsync_dir(path.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file and directory under `root`, so a rename of `root`
+    never outlives its contents on power loss."""
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            if os.path.islink(os.path.join(dirpath, name)):
+                continue
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def append_line(path: str | os.PathLike, line: str) -> None:

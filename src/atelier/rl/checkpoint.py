@@ -2,7 +2,8 @@
 format, loadable by every atelier command), optimizer, RNG states and a
 meta.json (step, task cursor, ledger position).
 
-A checkpoint is written into `step-<k>.tmp` and renamed; step k is committed
+A checkpoint is written into a temporary directory and renamed
+(`atelier.fsio.atomic_dir`); step k is committed
 once its line is in metrics.jsonl, the last write of a step (see
 `atelier.rl.metrics`). A run resumes from the newest checkpoint whose step
 is committed (`committed_checkpoint`); newer ones are deleted. The slot
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from atelier.fsio import crash_point
+from atelier.fsio import atomic_dir, crash_point
 
 KEEP = 2
 
@@ -52,16 +53,12 @@ def committed_checkpoint(run_dir: Path, last_committed_step: int) -> Path | None
 def save_checkpoint(run_dir: Path, step: int, trainer, tokenizer, meta: dict[str, Any]) -> Path:
     root = checkpoints_dir(run_dir)
     final = root / f"step-{step:06d}"
-    tmp = root / f"step-{step:06d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    trainer.save(tmp, tokenizer)
-    torch.save({"python": random.getstate(), "numpy": np.random.get_state(),
-                "torch": torch.get_rng_state()}, tmp / "rng.pt")
-    (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}, indent=1) + "\n")
-    crash_point("checkpoint.before_rename")
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.replace(final)  # a directory: atomic_write is for files
+    with atomic_dir(final) as tmp:
+        trainer.save(tmp, tokenizer)
+        torch.save({"python": random.getstate(), "numpy": np.random.get_state(),
+                    "torch": torch.get_rng_state()}, tmp / "rng.pt")
+        (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}, indent=1) + "\n")
+        crash_point("checkpoint.before_rename")
     for old in sorted(root.glob("step-*"), key=lambda p: p.name)[:-KEEP]:
         if old != final and not old.name.endswith(".tmp"):
             shutil.rmtree(old, ignore_errors=True)

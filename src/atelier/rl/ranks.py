@@ -36,7 +36,7 @@ Ordering and guarantees:
 
 Example, N = 2, checkpoint_every = 1: rank 0 waits for a batch (rank 1
 waits on the command group), sends ("train", 16 samples) and both train 8;
-rank 0 creates checkpoints/step-000001.tmp and sends ("save", that dir):
+rank 0 creates a temporary checkpoint directory and sends ("save", that dir):
 both write their shards, rank 0 writes model/ and meta.json and renames;
 rank 0 sends ("weights",): both join the gather, rank 0 publishes it.
 """
