@@ -108,7 +108,10 @@ status = s.recv(4096).decode().split("\\r\\n")[0]
 print(status)
 if " 200 " in status:
     s.sendall(b"GET /tunnel HTTP/1.0\\r\\n\\r\\n")
-    print(s.recv(4096).decode().rsplit("\\r\\n", 1)[-1], end="")
+    reply = b""
+    while chunk := s.recv(4096):  # HTTP/1.0: the server closes after the body, which may come in a later chunk
+        reply += chunk
+    print(reply.decode().rsplit("\\r\\n", 1)[-1], end="")
 """
 
 URLOPEN = """

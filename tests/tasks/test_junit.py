@@ -79,7 +79,7 @@ def test_skipped_target_counts_as_failed() -> None:
 
 
 @pytest.mark.parametrize("results,code,needle", [
-    (None, 0, "no result file"),
+    (None, 0, "left no results"),
     ({}, 0, "zero tests"),
     ({"t.py::f": "passed"}, 0, "missing"),
     ({"t.py::f": "passed", "t.py::p": "failed"}, 0, "exited 0"),
