@@ -178,16 +178,22 @@ def _vllm(ctx: Context, dtype: str) -> dict:
     with engine:
         def run(prompts: list[list[int]]) -> int:
             engine.clear_prefix_cache()  # no batch reuses another's prompts
-            counts = [0] * len(prompts)
+            counts: list = [0] * len(prompts)
 
             def one(i: int) -> None:
-                counts[i] = len(engine.generate(prompts[i], params).token_ids)
+                try:
+                    counts[i] = len(engine.generate(prompts[i], params).token_ids)
+                except Exception as exc:  # re-raised below, in the benchmark's thread
+                    counts[i] = exc
 
             threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
+            for c in counts:
+                if isinstance(c, Exception):
+                    raise c
             return sum(counts)
 
         run(ctx.prompts[:2])  # warm-up
@@ -216,7 +222,10 @@ def _vllm_weight_update(ctx: Context, engine) -> dict:
     chunks = engine.stats["chunks"]
     for t in rollouts:
         t.start()
+    deadline = time.monotonic() + 600
     while engine.stats["chunks"] < chunks + 8:  # every rollout is streaming
+        if not any(t.is_alive() for t in rollouts) or time.monotonic() > deadline:
+            raise RuntimeError("the streaming rollouts ended or stalled before the update")
         time.sleep(0.01)
     published = time.perf_counter()
     engine.update_weights(state, version=3)
