@@ -27,8 +27,13 @@ functions and never branch on the number of ranks themselves:
   reduction is a *sum*: the losses divide by one global constant, and the sum
   over ranks of each rank's gradient is the one-rank gradient (PITFALLS:
   per-rank normalisation changes the objective with the number of ranks).
-  (FSDP's own divide factor needs NCCL's PreMulSum, which gloo lacks.) On one rank bf16 is
-  `torch.autocast`, the same arithmetic without a process group.
+  (FSDP's own divide factor needs NCCL's PreMulSum, which gloo lacks.) On one rank
+  `compute_weights` does what that policy does, without a process group: for
+  one optimizer step it swaps bf16 copies of the fp32 master weights into the
+  modules (cast once per step, not at every use as `torch.autocast` does, which
+  measured slower than fp32 on one rank), and adds each backward's bf16
+  gradients into the masters' fp32 `.grad`; the masters, the optimizer, state
+  dicts and checkpoints never see a bf16 tensor.
 - `balanced_partition(lengths, world)` packs a step's samples into per-rank
   lists of nearly equal token counts (longest first onto the lightest rank,
   the report's global sequence packing); `micro_batches` then cuts each
@@ -246,11 +251,48 @@ def grad_scale(ranks: Ranks) -> float:
     return float(ranks.world)
 
 
-def compute_context(ranks: Ranks, precision: str):
-    """bf16 autocast on one rank (FSDP's policy does the casting on many); else nothing."""
-    if precision == "bf16" and not ranks.sharded:
-        return torch.autocast(device_type=ranks.device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def _to_master(master: nn.Parameter):
+    def hook(copy: torch.Tensor) -> None:
+        grad = copy.grad.to(master.dtype)
+        master.grad = grad if master.grad is None else master.grad.add_(grad)
+        copy.grad = None
+    return hook
+
+
+@contextlib.contextmanager
+def compute_weights(modules: list[nn.Module | None], ranks: Ranks, precision: str) -> Iterator[None]:
+    """One optimizer step's forwards and backwards in bf16 on one rank (FSDP's policy does it on many).
+
+    Every floating parameter of `modules` is replaced, inside the block, by a
+    bf16 copy made once on entry (tied weights stay tied: one copy per
+    parameter object); a hook moves each copy's gradient into the fp32
+    master's `.grad` as soon as a backward produces it, so gradients of
+    successive micro-batches accumulate in fp32, as FSDP's fp32 reduction
+    does. On exit the masters are back; clip and step after the block. fp32,
+    or N ranks: nothing.
+    """
+    if precision != "bf16" or ranks.sharded:
+        yield
+        return
+    copies: dict[int, nn.Parameter] = {}
+    swapped: list[tuple[dict, str, nn.Parameter]] = []
+    try:
+        for module in (m for m in modules if m is not None):
+            for sub in module.modules():
+                for name, master in list(sub._parameters.items()):
+                    if master is None or not master.is_floating_point() or master.dtype == torch.bfloat16:
+                        continue
+                    if id(master) not in copies:
+                        copy = nn.Parameter(master.detach().to(torch.bfloat16), requires_grad=master.requires_grad)
+                        if master.requires_grad:
+                            copy.register_post_accumulate_grad_hook(_to_master(master))
+                        copies[id(master)] = copy
+                    swapped.append((sub._parameters, name, master))
+                    sub._parameters[name] = copies[id(master)]
+        yield
+    finally:
+        for params, name, master in swapped:
+            params[name] = master
 
 
 # --- balanced steps --------------------------------------------------------------

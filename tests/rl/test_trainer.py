@@ -60,3 +60,24 @@ def test_asking_for_a_logger_that_is_not_installed_is_a_user_error(tmp_path, mon
     assert "pip install wandb" in info.value.hint
     assert flat_scalars({"step": 3, "reward_parts": {"length": -0.5}, "mode": "async", "ok": True}) == {
         "step": 3.0, "reward_parts/length": -0.5}
+
+
+def test_one_rank_bf16_step_keeps_fp32_masters_and_tracks_the_fp32_step(tiny_model_dir):
+    """bf16 on one rank computes with bf16 copies but steps the fp32 weights, close to the fp32 step."""
+    g = torch.Generator().manual_seed(1)
+    samples = [Sample(torch.randint(0, 256, (9,), generator=g).tolist(), [0] + [1] * 8, [0.0] + [-3.0] * 8,
+                      [-1] + [0] * 8, adv, "g", "t") for adv in (1.0, -1.0, 1.0)]
+    out = {}
+    for precision in ("fp32", "bf16"):
+        trainer = Trainer(tiny_model_dir, TrainerConfig(precision=precision, norm_tokens=16.0, micro_batch=2,
+                                                        lr=1e-3))
+        metrics = trainer.train_step(samples)
+        state = trainer.model.state_dict()
+        assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point())
+        assert all(p.grad is None or p.grad.dtype == torch.float32 for p in trainer.model.parameters())
+        out[precision] = metrics, state
+    (m32, w32), (m16, w16) = out["fp32"], out["bf16"]
+    assert m16["loss"] == pytest.approx(m32["loss"], rel=0.05)
+    assert m16["grad_norm"] == pytest.approx(m32["grad_norm"], rel=0.05)
+    for k in w32:
+        torch.testing.assert_close(w16[k], w32[k], rtol=0, atol=3e-3)

@@ -117,7 +117,7 @@ class PretrainConfig(AtelierConfig):
     phases: list[PhaseConfig] = Field(min_length=1)
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # auto: bf16 autocast on a GPU that has it, fp32 elsewhere (CPU bf16 is slow on most CPUs).
+    # auto: bf16 compute (fp32 masters) on a GPU that has it, fp32 elsewhere (CPU bf16 is slow on most CPUs).
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     threads: Optional[int] = Field(None, gt=0)
     # Data-parallel ranks (FSDP2); `atelier pretrain` starts them on this machine. 1: one process.

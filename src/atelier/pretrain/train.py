@@ -218,14 +218,14 @@ def _train_step(head, optimizer, batches, phase: PhaseConfig, step: int, ranks, 
     head.train()
     loss_sum = 0.0
     with D.named_failure(f"step {step + 1} of phase '{phase.name}'"):
-        for rows in plan:
-            ids = torch.from_numpy(ids_RS[rows] if rows else ids_RS[:1]).to(ranks.device)
-            mask = torch.from_numpy(mask_RS[rows] if rows else np.zeros_like(mask_RS[:1])).to(ranks.device)
-            with D.compute_context(ranks, precision):
+        with D.compute_weights([head], ranks, precision):
+            for rows in plan:
+                ids = torch.from_numpy(ids_RS[rows] if rows else ids_RS[:1]).to(ranks.device)
+                mask = torch.from_numpy(mask_RS[rows] if rows else np.zeros_like(mask_RS[:1])).to(ranks.device)
                 logp_NS, _ = head(ids, torch.ones_like(ids))
-            nll = -(logp_NS * mask).sum()
-            (nll * (D.grad_scale(ranks) / total)).backward()
-            loss_sum += float(nll.detach())
+                nll = -(logp_NS * mask).sum()
+                (nll * (D.grad_scale(ranks) / total)).backward()
+                loss_sum += float(nll.detach())
         grad_norm = D.clip_grad_norm(head.parameters(), phase.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -115,31 +115,32 @@ class Trainer:
         plan = D.step_plan([len(s.token_ids) for s in samples], self.ranks.world, self.ranks.rank,
                            self.cfg.micro_batch)
         with D.named_failure(f"trainer step {self.step + 1}"):
-            for indices in plan:
-                batch = self._collate([samples[i] for i in indices])
-                with D.compute_context(self.ranks, self.precision), self._replaying(samples, indices, batch):
-                    logp_BT, ent_BT = self.head(batch["ids"], batch["attn"], self.temperature, True)
-                    ref_BT = None
-                    if self.ref is not None:
-                        with torch.no_grad():
-                            ref_BT, _ = self.ref(batch["ids"], batch["attn"], self.temperature)
-                loss, m = policy_loss(LossInputs(logp_BT, batch["mu"], batch["adv"], batch["mask"], ref_BT),
-                                      is_cap=self.cfg.is_cap, kl_beta=self.cfg.kl_beta,
-                                      norm_tokens=self.cfg.norm_tokens)
-                (loss * D.grad_scale(self.ranks)).backward()
-                tok = m["tokens"]
-                sums["loss"] += m["loss"]
-                sums["tokens"] += tok
-                for key in ("is_weight_mean", "is_truncated_frac", "kl_k1", "sampler_mismatch"):
-                    sums[key] += m[key] * tok
-                sums["entropy"] += float((ent_BT * batch["mask"]).sum())
-                self._count_experts(batch["attn"])
-                if tok:
-                    mm = sampler_mismatch(logp_BT, batch["mu"], batch["mask"], self.cfg.is_cap)
-                    sums["sampler_k1"] += mm["mismatch_k1"] * tok
-                    mismatch_max = max(mismatch_max, mm["mismatch_abs_max"])
-                    ratio_max = max(ratio_max, m["is_ratio_max"])
-                    neg_ratio_min = max(neg_ratio_min, -m["is_ratio_min"])
+            with D.compute_weights([self.head, self.ref], self.ranks, self.precision):
+                for indices in plan:
+                    batch = self._collate([samples[i] for i in indices])
+                    with self._replaying(samples, indices, batch):
+                        logp_BT, ent_BT = self.head(batch["ids"], batch["attn"], self.temperature, True)
+                        ref_BT = None
+                        if self.ref is not None:
+                            with torch.no_grad():
+                                ref_BT, _ = self.ref(batch["ids"], batch["attn"], self.temperature)
+                    loss, m = policy_loss(LossInputs(logp_BT, batch["mu"], batch["adv"], batch["mask"], ref_BT),
+                                          is_cap=self.cfg.is_cap, kl_beta=self.cfg.kl_beta,
+                                          norm_tokens=self.cfg.norm_tokens)
+                    (loss * D.grad_scale(self.ranks)).backward()
+                    tok = m["tokens"]
+                    sums["loss"] += m["loss"]
+                    sums["tokens"] += tok
+                    for key in ("is_weight_mean", "is_truncated_frac", "kl_k1", "sampler_mismatch"):
+                        sums[key] += m[key] * tok
+                    sums["entropy"] += float((ent_BT * batch["mask"]).sum())
+                    self._count_experts(batch["attn"])
+                    if tok:
+                        mm = sampler_mismatch(logp_BT, batch["mu"], batch["mask"], self.cfg.is_cap)
+                        sums["sampler_k1"] += mm["mismatch_k1"] * tok
+                        mismatch_max = max(mismatch_max, mm["mismatch_abs_max"])
+                        ratio_max = max(ratio_max, m["is_ratio_max"])
+                        neg_ratio_min = max(neg_ratio_min, -m["is_ratio_min"])
             grad_norm = D.clip_grad_norm(self.head.parameters(), self.cfg.max_grad_norm)
             self.optimizer.step()
             totals = dict(zip(METRIC_SUMS, D.all_reduce_sum([sums[k] for k in METRIC_SUMS], self.ranks)))
