@@ -381,6 +381,9 @@ def weight_update(ctx: Context, dtype: str) -> dict:
             time.sleep(0.01)
         published[0] = time.perf_counter()
         engine.update_weights(fresh, version=3)
+        deadline = time.monotonic() + 600
+        while not first_new and time.monotonic() < deadline:
+            time.sleep(0.005)
         for h in handles:
             h.cancel()
         return {"dtype": dtype, "tensors": len(state),
