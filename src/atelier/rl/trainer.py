@@ -146,11 +146,7 @@ class Trainer:
             totals = dict(zip(METRIC_SUMS, D.all_reduce_sum([sums[k] for k in METRIC_SUMS], self.ranks)))
             ratio_max, neg_ratio_min, mismatch_max, peak_gb = D.all_reduce_max(
                 [ratio_max, neg_ratio_min, mismatch_max, D.peak_memory_gb(self.ranks.device)], self.ranks)
-        staleness: Counter[int] = Counter()
-        for s in samples:
-            for v, mk in zip(s.versions[1:], s.loss_mask[1:]):
-                if mk:
-                    staleness[self.step - v] += 1
+        staleness = staleness_counts(samples, self.step)
         self.step += 1
         n_tokens = totals["tokens"]
         n = max(n_tokens, 1.0)
@@ -229,3 +225,13 @@ class Trainer:
                                      hint="resume it with --set trainer.ranks=1")
         self.optimizer.load_state_dict(torch.load(ckpt_dir / "optimizer.pt", weights_only=True,
                                                   map_location=self.ranks.device))
+
+
+def staleness_counts(samples: list[Sample], step: int) -> Counter[int]:
+    """How many trained tokens were sampled how many steps before `step` (the policy being updated)."""
+    counts: Counter[int] = Counter()
+    for s in samples:
+        for v, mk in zip(s.versions[1:], s.loss_mask[1:]):
+            if mk:
+                counts[step - v] += 1
+    return counts
