@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from atelier.errors import InfraError
 from atelier.harness.trajectory import Segment, Trajectory
 from atelier.rl.config import CurriculumConfig, RolloutConfig
 from atelier.rl.curriculum import Curriculum
@@ -134,11 +135,11 @@ def test_sync_mode_admits_one_batch_at_a_time(tmp_path):
 
 
 def test_infra_failures_are_retried_then_excluded_never_scored(tmp_path):
-    rc, backend = _reconciler(tmp_path, max_staleness=0, max_retries=1, min_valid=1)
-    backend.finish("g00000-t0/0", error=RuntimeError("sandbox died"))
-    assert rc.ledger.slots["g00000-t0/0"].state == "running"  # re-queued and relaunched
+    rc, backend = _reconciler(tmp_path, max_staleness=0, max_retries=1, min_valid=1, retry_backoff_s=0)
+    backend.finish("g00000-t0/0", error=InfraError("sandbox died"))
+    assert rc.ledger.slots["g00000-t0/0"].state == "running"  # re-queued and relaunched (no backoff here)
     assert rc.ledger.slots["g00000-t0/0"].attempt == 1
-    backend.finish("g00000-t0/0", error=RuntimeError("sandbox died again"))
+    backend.finish("g00000-t0/0", error=InfraError("sandbox died again"))
     assert rc.ledger.slots["g00000-t0/0"].state == "dropped"
     backend.finish("g00000-t0/1", 0.25)
     batch = rc.next_batch(timeout=1)
