@@ -231,8 +231,11 @@ def shard(head: PolicyHead, ranks: Ranks, precision: str, *, activation_checkpoi
           reshard_after_forward: bool = True) -> PolicyHead:
     """FSDP2 per decoder layer, then the root; mixed precision; optional per-layer checkpointing."""
     if activation_checkpointing:
-        enable = getattr(head.lm, "activation_checkpointing_enable", None) or head.lm.gradient_checkpointing_enable
-        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lm, kwargs = head.lm, {"use_reentrant": False}
+        if hasattr(lm, "activation_checkpointing_enable"):  # transformers 5 renamed it, and its keyword
+            lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if not ranks.sharded:
         return head.to(ranks.device)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

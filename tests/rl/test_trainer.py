@@ -81,3 +81,20 @@ def test_one_rank_bf16_step_keeps_fp32_masters_and_tracks_the_fp32_step(tiny_mod
     assert m16["grad_norm"] == pytest.approx(m32["grad_norm"], rel=0.05)
     for k in w32:
         torch.testing.assert_close(w16[k], w32[k], rtol=0, atol=3e-3)
+
+
+def test_activation_checkpointing_takes_the_same_step(tiny_model_dir):
+    """Per-layer checkpointing recomputes activations in the backward; the step itself is unchanged."""
+    g = torch.Generator().manual_seed(2)
+    samples = [Sample(torch.randint(0, 256, (9,), generator=g).tolist(), [0] + [1] * 8, [0.0] + [-3.0] * 8,
+                      [-1] + [0] * 8, adv, "g", "t") for adv in (1.0, -1.0)]
+    out = []
+    for checkpointing in (False, True):
+        trainer = Trainer(tiny_model_dir, TrainerConfig(precision="fp32", norm_tokens=16.0, lr=1e-3,
+                                                        activation_checkpointing=checkpointing))
+        out.append((trainer.train_step(samples), trainer.model.state_dict()))
+    (m0, w0), (m1, w1) = out
+    assert m1["loss"] == pytest.approx(m0["loss"], rel=1e-5)
+    assert m1["grad_norm"] == pytest.approx(m0["grad_norm"], rel=1e-5)
+    for k in w0:
+        torch.testing.assert_close(w1[k], w0[k], rtol=1e-5, atol=1e-6)
