@@ -8,8 +8,8 @@ The CLI prints both and exits with status 2, never a traceback.
 from __future__ import annotations
 
 
-class AtelierError(Exception):
-    """An error with a message for the user and a hint that says what to do."""
+class ToldError(Exception):
+    """A message for the user and a hint that says what to do, printed without a traceback."""
 
     def __init__(self, message: str, hint: str | None = None) -> None:
         super().__init__(message)
@@ -20,6 +20,10 @@ class AtelierError(Exception):
         if self.hint:
             return f"{self.message}\n  hint: {self.hint}"
         return self.message
+
+
+class AtelierError(ToldError):
+    """Bad input or a missing prerequisite: the CLI prints it and exits with status 2."""
 
 
 class InfraError(Exception):
@@ -28,18 +32,8 @@ class InfraError(Exception):
     memory ran out. Retried with backoff and never scored (`atelier.failures`)."""
 
 
-class BugError(Exception):
+class BugError(ToldError):
     """A failure that is neither the infrastructure's nor the model's stopped a
     run. `message` names where (the slot and task, or the attempt), `hint`
     where the traceback went and how to resume once it is fixed; the CLI
     prints both and exits with status 1, without a traceback."""
-
-    def __init__(self, message: str, hint: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.hint = hint
-
-    def __str__(self) -> str:
-        if self.hint:
-            return f"{self.message}\n  hint: {self.hint}"
-        return self.message
