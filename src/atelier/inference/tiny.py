@@ -73,22 +73,15 @@ def build_tiny_tokenizer(vocab_size: int = 512):
     return tokenizer
 
 
+# What every tiny model shares: the dense one and the MoE one differ only in their MLPs.
+TINY_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=True)
+
+
 def tiny_config(vocab_size: int, **overrides):
     from transformers import LlamaConfig
 
-    fields = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-    )
-    fields.update(overrides)
-    return LlamaConfig(**fields)
+    return LlamaConfig(**{**TINY_SHAPE, "vocab_size": vocab_size, "intermediate_size": 128, **overrides})
 
 
 # The same parameter shapes with head_dim 32, the smallest vLLM's CPU attention runs (16 fails
@@ -99,24 +92,15 @@ VLLM_SHAPE = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32
 def tiny_moe_config(vocab_size: int, **overrides):
     from transformers import MixtralConfig
 
-    fields = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
+    moe = dict(
         intermediate_size=32,            # per expert
         num_local_experts=8,
         num_experts_per_tok=2,
         sliding_window=None,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=16,
-        max_position_embeddings=4096,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
         router_aux_loss_coef=0.0,
     )
-    fields.update(overrides)
-    return MixtralConfig(**fields)
+    return MixtralConfig(**{**TINY_SHAPE, "vocab_size": vocab_size, **moe, **overrides})
 
 
 def build_tiny_model(out_dir: str | Path, *, seed: int = 0, vocab_size: int = 512, moe: bool = False,
