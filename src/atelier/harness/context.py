@@ -185,7 +185,7 @@ class TokenContext:
         params = SamplingParams(max_tokens=max_new, temperature=s.temperature, top_p=s.top_p, seed=seed,
                                 stop_token_ids=self.stop)
         gen = self.model.generate(list(self.segment.token_ids), params)
-        self.segment.extend_sampled(gen.token_ids, gen.logprobs, gen.versions)
+        self.segment.extend_sampled(gen.token_ids, gen.logprobs, gen.versions, gen.routes)
         ended = bool(gen.token_ids) and gen.token_ids[-1] in self.stop
         content = self.tok.decode(gen.token_ids[:-1] if ended else gen.token_ids, skip_special_tokens=False)
         assistant = {"role": "assistant", "content": content}

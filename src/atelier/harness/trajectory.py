@@ -12,16 +12,32 @@ and every segment receives the episode's reward.
 
 `messages` keeps the same conversation as chat messages (for display,
 the report's viewer, SFT data and chat-only backends).
+
+MoE router replay: when the sampler returns the experts it chose
+(`Generation.routes`), a segment keeps them in `routes`, one row per token
+(a compact uint8/uint16 array [tokens, MoE layers, k]; the type's largest
+value = no record). The rule for positions: every position the sampler fed
+through the model has its row, prompt and tool-output tokens included (the
+engine computes them in its prefill, or finds them with the prefix cache's
+keys), since the trainer recomputes every position and each one shapes the
+logprobs after it. Tokens the sampler never fed (the last sampled token,
+tool output after the last turn) have no record; they precede no sampled
+token, so routing them freely changes no trained logprob. When a later turn
+reports a different route for a position already recorded (its prefix was
+recomputed after a weight update), the first record stays: the tokens
+sampled right after that position were computed with it. Saved as JSON, the
+array is base64 (`encode_routes`), about L * k bytes per token.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from atelier.fsio import atomic_write
+from atelier.inference.routes import decode_routes, encode_routes, merge_routes, pad_routes
 
 NOT_SAMPLED = -1
 
@@ -34,6 +50,7 @@ class Segment:
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    routes: Any = None             # MoE: packed experts per token (see the module docstring), or None
 
     def extend_prompt(self, token_ids: list[int]) -> None:
         """Append tokens the model did not sample (prompt, tool output)."""
@@ -41,15 +58,22 @@ class Segment:
         self.loss_mask.extend([0] * len(token_ids))
         self.logprobs.extend([0.0] * len(token_ids))
         self.versions.extend([NOT_SAMPLED] * len(token_ids))
+        self.routes = pad_routes(self.routes, len(token_ids))   # recorded when the next turn feeds them
 
-    def extend_sampled(self, token_ids: list[int], logprobs: list[float], versions: list[int]) -> None:
-        """Append tokens exactly as the sampler produced them."""
+    def extend_sampled(self, token_ids: list[int], logprobs: list[float], versions: list[int],
+                       routes: Any = None) -> None:
+        """Append tokens exactly as the sampler produced them; `routes` (Generation.routes) covers
+        the whole segment after them: the prompt the sampler was given and the new tokens."""
         if not (len(token_ids) == len(logprobs) == len(versions)):
             raise ValueError("sampled tokens, logprobs and versions must have equal lengths")
         self.token_ids.extend(token_ids)
         self.loss_mask.extend([1] * len(token_ids))
         self.logprobs.extend(logprobs)
         self.versions.extend(versions)
+        if routes is not None:
+            if len(routes) != len(self.token_ids):
+                raise ValueError(f"routes cover {len(routes)} tokens, the segment has {len(self.token_ids)}")
+            self.routes = merge_routes(self.routes, routes)
 
     @property
     def sampled_tokens(self) -> int:
@@ -104,7 +128,9 @@ class Trajectory:
         self.tokens[kind] = self.tokens.get(kind, 0) + count
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        data = asdict(replace(self, segments=[]))
+        data["segments"] = [{**asdict(replace(seg, routes=None)), "routes": encode_routes(seg.routes)}
+                            for seg in self.segments]
         data["num_tool_calls"] = self.num_tool_calls
         data["broken_calls"] = self.broken_calls
         return data
@@ -112,7 +138,8 @@ class Trajectory:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Trajectory":
         data = {k: v for k, v in data.items() if k not in {"num_tool_calls", "broken_calls"}}
-        data["segments"] = [Segment(**s) for s in data.get("segments", [])]
+        data["segments"] = [Segment(**{**s, "routes": decode_routes(s.get("routes"))})
+                            for s in data.get("segments", [])]
         data["tool_calls"] = [ToolCallRecord(**c) for c in data.get("tool_calls", [])]
         return cls(**data)
 

@@ -107,8 +107,11 @@ class GenerateClient:
         if params.stop_token_ids:
             body["stop_token_ids"] = list(params.stop_token_ids)
         out = _call(self._client, "POST", "/v1/generate", json=body)
+        from atelier.inference.routes import decode_routes
+
         return Generation(token_ids=out["token_ids"], logprobs=out["logprobs"], versions=out["versions"],
-                          finish_reason=out["finish_reason"], text=out.get("text", ""))
+                          finish_reason=out["finish_reason"], text=out.get("text", ""),
+                          routes=decode_routes(out.get("routes")))
 
     def update_weights_from_path(self, path: str, version: int) -> int:
         """Ask the server to load safetensors weights from `path` (its filesystem) as `version`."""

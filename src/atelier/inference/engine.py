@@ -120,6 +120,7 @@ class _Request:
     epoch: int = -1              # the engine's weight epoch when this request was (last) prefilled
     admitted: int = -1           # admission order, for choosing whom to preempt
     cancelled: bool = False
+    routes: Any = None           # MoE: packed experts of prompt + token_ids, taken when it finishes
     finish_reason: str | None = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -153,7 +154,8 @@ class RequestHandle:
             raise r.error
         return Generation(token_ids=r.token_ids, logprobs=r.logprobs, versions=r.versions,
                           finish_reason=r.finish_reason,  # type: ignore[arg-type]
-                          text=self._engine.tokenizer.decode(r.token_ids, skip_special_tokens=True))
+                          text=self._engine.tokenizer.decode(r.token_ids, skip_special_tokens=True),
+                          routes=r.routes)
 
 
 @dataclass
@@ -590,8 +592,23 @@ class LocalEngine:
         self.pool.release(request.blocks)
         request.blocks = []
 
+    def _routes(self, request: _Request) -> Any:
+        """The experts of every position of the request's context that its KV blocks hold (MoE
+        models; see forward.py), packed, one row per context token (the last one: no record)."""
+        ids_nLk = self._forward.routes(request.blocks, request.length) if request.blocks else None
+        if ids_nLk is None:
+            return None
+        from atelier.moe.replay import pack_routes
+
+        pad = len(request.context) - ids_nLk.shape[0]
+        ids_NLk = torch.cat([ids_nLk, ids_nLk.new_full((pad, *ids_nLk.shape[1:]), -1)])
+        return pack_routes(ids_NLk, self._forward.router.num_experts)
+
     def _end(self, request: _Request, reason: str | None, error: BaseException | None = None) -> None:
-        """Finish a request that is in no queue any more: free its blocks, wake its caller."""
+        """Finish a request that is in no queue any more: take its routes (MoE), free its blocks,
+        wake its caller."""
+        if reason in ("stop", "length"):
+            request.routes = self._routes(request)
         self._release(request)
         request.finish_reason, request.error = reason, error
         if reason == "abort":

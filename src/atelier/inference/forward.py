@@ -36,6 +36,14 @@ without a sliding window, Qwen2). Others raise `UnsupportedModel` when
 loaded. A mixture-of-experts layer (Mixtral's) runs the model's own sparse
 block on the normed hidden states, so router hooks (atelier.moe.replay) and
 low-precision experts (atelier.moe.precision) apply to the engine too.
+
+Routes (router replay's sampler side): on an MoE model, every forward also
+writes the top-k expert ids each layer's router chose for each computed
+position into `PagedKV.routes_RLk`, a row per KV position (R = P * S), -1
+where nothing was computed. Routes live where the keys and values live, so
+a prefix-cache hit brings back the experts that computed the cached keys,
+and `routes(table, n)` gives a sequence's experts for positions 0..n-1
+(what the sampler used for every token it fed).
 """
 
 from __future__ import annotations
@@ -103,15 +111,20 @@ class PagedKV:
     """
 
     @torch.inference_mode()
-    def __init__(self, layers: int, blocks: int, block: int, kv_heads: int, head_dim: int, dtype, device) -> None:
+    def __init__(self, layers: int, blocks: int, block: int, kv_heads: int, head_dim: int, dtype, device,
+                 routes: tuple[int, int] | None = None) -> None:
         shape = (layers, blocks, block, kv_heads, head_dim)
         self.block = block
         self.k_LPSHD = torch.zeros(shape, dtype=dtype, device=device)
         self.v_LPSHD = torch.zeros(shape, dtype=dtype, device=device)
+        # MoE only: (moe layers, k) -> int16 expert ids per position row, -1 = not computed
+        self.routes_RLk = None if routes is None else torch.full((blocks * block, *routes), -1, dtype=torch.int16,
+                                                                  device=device)
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k_LPSHD.numel() * self.k_LPSHD.element_size()
+        extra = 0 if self.routes_RLk is None else self.routes_RLk.numel() * 2
+        return 2 * self.k_LPSHD.numel() * self.k_LPSHD.element_size() + extra
 
     def rows(self, table: list[int], start: int, end: int) -> list[int]:
         """Flat position rows (block * S + offset) of positions `start:end` of a sequence."""
@@ -147,8 +160,14 @@ class BatchedForward:
             self.gate_up = [None if _is_moe(layer.mlp) else _fuse(layer.mlp, ("gate_proj", "up_proj"))
                             for layer in self.layers]
         param = next(hf_model.parameters())
+        self.router = None
+        if not all(g is not None for g in self.gate_up):
+            from atelier.moe.replay import RouterReplay
+
+            self.router = RouterReplay(hf_model)   # observes only: what each router chose, per call
+        routes = None if self.router is None else (self.router.num_layers, self.router.top_k)
         self.kv = PagedKV(len(self.layers), kv_blocks, block, self.kv_heads, self.head_dim,
-                          param.dtype, param.device)
+                          param.dtype, param.device, routes)
 
     @staticmethod
     def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -184,6 +203,19 @@ class BatchedForward:
             gate, up = F.linear(_norm(layer.post_attention_layernorm, x_BTM), *self.gate_up[i]).chunk(2, dim=-1)
             x_BTM = x_BTM + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
         return x_BTM
+
+    def _record_routes(self, rows_N: torch.Tensor) -> None:
+        """Store the experts the routers just chose for the N computed positions at their KV rows."""
+        if self.router is not None:
+            self.kv.routes_RLk.index_copy_(0, rows_N, self.router.used().to(torch.int16))
+
+    def routes(self, table: list[int], n: int) -> torch.Tensor | None:
+        """int64 [n, L, k]: the experts of positions 0..n-1 of the sequence with block table `table`
+        (-1 where a position was never computed); None for a dense model."""
+        if self.router is None:
+            return None
+        rows = torch.tensor(self.kv.rows(table, 0, n), dtype=torch.long, device=self.device)
+        return self.kv.routes_RLk[rows].long().cpu()
 
     def _logits(self, h_BM: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(_norm(self.core.norm, h_BM)).float()
@@ -249,6 +281,7 @@ class BatchedForward:
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
         x_1NM = self._layers(self.core.embed_tokens(ids_1N), pos_1N, attend)
+        self._record_routes(rows_N)
         last = torch.tensor([off + n - 1 for off, n, _, _ in plans], device=dev)
         return self._logits(x_1NM[0, last])
 
@@ -281,4 +314,5 @@ class BatchedForward:
                                                   enable_gqa=True)
 
         x_B1M = self._layers(self.core.embed_tokens(ids_B1), pos_B1, attend)
+        self._record_routes(rows_B)
         return self._logits(x_B1M[:, 0])

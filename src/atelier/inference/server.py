@@ -21,7 +21,9 @@ Endpoints:
   ids; `logprobs: N` fills the standard legacy `logprobs` object.
 - `POST /v1/generate`: `{"prompt_ids": [...], "max_tokens", "temperature",
   "top_p", "seed", "stop_token_ids", "stop"}` -> `{"token_ids", "logprobs",
-  "versions", "finish_reason", "text"}`.
+  "versions", "finish_reason", "text"}`, plus `"routes"` on an MoE model: the
+  experts chosen for every position of prompt + tokens, `{"dtype", "shape",
+  "b64"}` (atelier.inference.routes; router replay).
 - `POST /v1/weights`: `{"path": "<file.safetensors or directory>", "version":
   N}` loads the tensors (model `state_dict` names; a subset is fine) between
   decode steps and answers `{"version": N, "tensors": count}` once they are
@@ -306,8 +308,13 @@ def create_app(engine) -> FastAPI:
             gen = await _complete(engine, req.prompt_ids, params, request)
         except _ClientGone:
             return Response(status_code=499)
-        return {"token_ids": gen.token_ids, "logprobs": gen.logprobs, "versions": gen.versions,
-                "finish_reason": gen.finish_reason, "text": gen.text}
+        out = {"token_ids": gen.token_ids, "logprobs": gen.logprobs, "versions": gen.versions,
+               "finish_reason": gen.finish_reason, "text": gen.text}
+        if gen.routes is not None:
+            from atelier.inference.routes import encode_routes
+
+            out["routes"] = encode_routes(gen.routes)
+        return out
 
     @app.post("/v1/weights")
     def weights(req: WeightsRequest) -> dict[str, Any]:

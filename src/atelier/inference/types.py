@@ -45,6 +45,11 @@ class Generation:
     finish_reason: FinishReason
     text: str = ""                 # decoded token_ids, for convenience only
     extra: dict[str, Any] = field(default_factory=dict)
+    routes: Any = None
+    """MoE router replay: the experts the sampler's routers chose for every position of prompt +
+    token_ids, a numpy uint8/uint16 array [len(prompt) + len(token_ids), MoE layers, k]
+    (atelier.moe.replay.pack_routes), the type's largest value for a position the engine never fed
+    (the last sampled token). None when the backend does not record them (dense models, vLLM)."""
 
     def __post_init__(self) -> None:
         if not (len(self.token_ids) == len(self.logprobs) == len(self.versions)):

@@ -87,8 +87,10 @@ class TrainerConfig(AtelierConfig):
     in the NVFP4 variant (per-token FP32 scale) and both backward GEMMs in MXFP8. The PyTorch
     reference on a CPU, Triton kernels on a GPU."""
     router_replay: bool = False
-    """MoE: route every trained token to the experts the sampler chose (Sample.routes); the gate
-    values are recomputed, so the router still learns (atelier.moe.replay)."""
+    """MoE: route every trained token to the experts the sampler chose (Sample.routes, recorded by
+    the built-in engine for every position it fed); the gate values are recomputed, so the router
+    still learns (atelier.moe.replay). Positions without a record route freely (see
+    atelier.harness.trajectory). Needs inference.engine = "builtin"."""
     logprob_chunk: int = Field(512, ge=1)
     """Positions per chunk of the logprob/entropy computation (memory: one [B, chunk, V] block)."""
     timeout_s: float = Field(600.0, gt=0)
@@ -207,14 +209,6 @@ class RlOptions(AtelierConfig):
     loggers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
     """Extra metric sinks besides RUN_DIR/metrics.jsonl (each needs its package installed)."""
 
-    @model_validator(mode="after")
-    def _replay_needs_routes(self) -> "RlOptions":
-        if self.trainer.router_replay:
-            raise ValueError("trainer.router_replay = true needs a sampler that returns the experts it chose "
-                             "for every token; the built-in engine and the vLLM backend do not yet, so a run "
-                             "cannot replay them (the trainer side is atelier.moe.replay; set it to false)")
-        return self
-
 
 class TrainConfig(RlOptions):
     model: str = "tiny"
@@ -224,3 +218,11 @@ class TrainConfig(RlOptions):
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
     """The rollout engine: built-in, or vLLM servers the trainer pushes weights into."""
     env: EnvConfig = Field(default_factory=EnvConfig)
+
+    @model_validator(mode="after")
+    def _replay_needs_routes(self) -> "TrainConfig":
+        if self.trainer.router_replay and self.inference.engine == "vllm":
+            raise ValueError("trainer.router_replay = true needs a sampler that returns the experts it chose "
+                             "for every token; the vLLM backend does not (see atelier.inference.vllm_engine): "
+                             "use inference.engine = \"builtin\", or router_replay = false")
+        return self

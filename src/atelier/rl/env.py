@@ -113,7 +113,7 @@ def single_turn_trajectory(task_id: str, prompt: str, model: TokenModel, prompt_
     segment (prompt, then the sampled tokens with their logprobs and versions)."""
     seg = Segment()
     seg.extend_prompt(prompt_ids)
-    seg.extend_sampled(gen.token_ids, gen.logprobs, gen.versions)
+    seg.extend_sampled(gen.token_ids, gen.logprobs, gen.versions, gen.routes)
     traj = Trajectory(task_id=task_id, model=getattr(model, "name", ""), segments=[seg], turns=1,
                       tokens={"prompt": len(prompt_ids), "final_message": len(gen.token_ids)},
                       exit_reason="submitted", messages=[

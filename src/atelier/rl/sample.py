@@ -47,6 +47,7 @@ def samples_from_trajectory(traj: Trajectory, advantage: float, group_id: str) -
             advantage=advantage,
             group_id=group_id,
             task_id=traj.task_id,
+            routes=seg.routes,
         )
         for seg in traj.segments
         if seg.sampled_tokens > 0

@@ -42,7 +42,7 @@ from atelier.rl.loss import LossInputs, policy_loss
 from atelier.rl.sample import Sample
 
 METRIC_SUMS = ("loss", "tokens", "is_weight_mean", "is_truncated_frac", "kl_k1", "sampler_mismatch", "entropy",
-               "sampler_k1")
+               "sampler_k1", "route_rows", "route_matches")
 
 
 def token_logprobs(model, ids_BT: torch.Tensor, attn_BT: torch.Tensor, temperature: float,
@@ -118,7 +118,8 @@ class Trainer:
             with D.compute_weights([self.head, self.ref], self.ranks, self.precision):
                 for indices in plan:
                     batch = self._collate([samples[i] for i in indices])
-                    with self._replaying(samples, indices, batch):
+                    routes = self._routes(samples, indices, batch["ids"].shape[1])
+                    with self._replaying(routes):
                         logp_BT, ent_BT = self.head(batch["ids"], batch["attn"], self.temperature, True)
                         ref_BT = None
                         if self.ref is not None:
@@ -135,6 +136,9 @@ class Trainer:
                         sums[key] += m[key] * tok
                     sums["entropy"] += float((ent_BT * batch["mask"]).sum())
                     self._count_experts(batch["attn"])
+                    rows, matches = self._route_agreement(routes, batch["attn"])
+                    sums["route_rows"] += rows
+                    sums["route_matches"] += matches
                     if tok:
                         mm = sampler_mismatch(logp_BT, batch["mu"], batch["mask"], self.cfg.is_cap)
                         sums["sampler_k1"] += mm["mismatch_k1"] * tok
@@ -162,18 +166,38 @@ class Trainer:
             "staleness_max": max(staleness) if staleness else 0, "ranks": self.ranks.world,
             "peak_memory_gb": round(peak_gb, 3),
             **self.moe_metrics(),
+            **({"routes_match_frac": totals["route_matches"] / totals["route_rows"],
+                "routes_recorded": int(totals["route_rows"])} if totals["route_rows"] else {}),
         }
 
-    def _replaying(self, samples: list[Sample], indices, batch):
-        """Router replay for this micro-batch when `trainer.router_replay` is on (else nothing)."""
-        if self.routing is None or not self.cfg.router_replay or not indices:
-            return nullcontext()
+    def _routes(self, samples: list[Sample], indices, T: int) -> torch.Tensor | None:
+        """The sampler's experts for this micro-batch's flattened [B * T, L, k] positions (-1: none);
+        None when the model is dense, or when the samples carry none and replay is off. With
+        replay on, samples without routes raise `MissingRoutes`."""
+        if self.routing is None or not indices:
+            return None
+        if not self.cfg.router_replay and any(samples[i].routes is None for i in indices):
+            return None
         from atelier.moe.attach import batch_routes
 
-        T = batch["ids"].shape[1]
-        routes = batch_routes([samples[i].routes for i in indices], T, self.routing.num_layers,
-                              self.routing.top_k)
+        return batch_routes([samples[i].routes for i in indices], T, self.routing.num_layers, self.routing.top_k)
+
+    def _replaying(self, routes: torch.Tensor | None):
+        """Router replay for this micro-batch when `trainer.router_replay` is on (else nothing)."""
+        if routes is None or not self.cfg.router_replay:
+            return nullcontext()
         return self.routing.replay(routes)
+
+    def _route_agreement(self, routes_NLk: torch.Tensor | None, attn_BT: torch.Tensor) -> tuple[int, int]:
+        """(token x layer rows the sampler recorded, rows where the last forward used exactly its
+        set of experts). With replay every row matches; without, 1 - matches/rows is the routing
+        flip rate between sampler and trainer."""
+        if routes_NLk is None:
+            return 0, 0
+        used_NLk = self.routing.used().cpu()
+        real_NL = ((routes_NLk >= 0).all(-1) & attn_BT.reshape(-1, 1).bool().cpu())
+        same_NL = (used_NLk.sort(-1).values == routes_NLk.sort(-1).values).all(-1)
+        return int(real_NL.sum()), int((same_NL & real_NL).sum())
 
     def _count_experts(self, attn_BT: torch.Tensor) -> None:
         """Tokens per expert (all MoE layers and k slots) over the real tokens of the last forward."""
