@@ -111,7 +111,8 @@ class BaseEvalConfig(AtelierConfig):
 
 
 class PretrainConfig(AtelierConfig):
-    # A Hugging Face model directory or a known model name.
+    # A Hugging Face model directory, a known model name, or 'tiny' / 'tiny-moe' (a tiny random dense
+    # or mixture-of-experts model built once in the run directory).
     model: str
     data: DataConfig = DataConfig()
     phases: list[PhaseConfig] = Field(min_length=1)
@@ -128,6 +129,10 @@ class PretrainConfig(AtelierConfig):
     activation_checkpointing: bool = False
     # Positions per chunk of the token-logprob computation (memory: one [rows, chunk, vocab] block).
     logprob_chunk: int = Field(512, gt=0)
+    # Expert matmuls of a mixture-of-experts model, as the RL trainer's `trainer.moe_precision`
+    # (atelier.moe.precision): "bf16" leaves them alone, "mxfp8", "nvfp4_fwd_mxfp8_bwd". On an MoE
+    # model every logged step also carries the router's load balance (tokens_per_expert, expert_imbalance).
+    moe_precision: Literal["bf16", "mxfp8", "nvfp4_fwd_mxfp8_bwd"] = "bf16"
     log_every: int = Field(1, gt=0)
     checkpoint_every: int = Field(100, gt=0)
     keep_checkpoints: int = Field(2, gt=0)

@@ -84,7 +84,18 @@ def run_pretrain(config: PretrainConfig, run_dir: str | Path, *, resume: bool = 
         state, payload = load_trainer_state(checkpoint)
         if ranks.main:
             _truncate_metrics(run_dir / METRICS, state["global_step"])
-    model, tokenizer = load_model_and_tokenizer(str(checkpoint or config.model), device)
+    model_spec = config.model
+    if config.model in ("tiny", "tiny-moe"):
+        from atelier.inference.models import resolve_or_build_tiny
+
+        if ranks.main:
+            resolve_or_build_tiny(config.model, run_dir, seed=config.seed)   # built once, reused on resume
+        D.barrier(ranks)
+        model_spec = str(run_dir / "base-model")
+    model, tokenizer = load_model_and_tokenizer(str(checkpoint or model_spec), device)
+    from atelier.moe.attach import attach
+
+    routing = attach(model, config.moe_precision, router_replay=False)   # None for a dense model
     head = D.shard(D.PolicyHead(model, config.logprob_chunk), ranks, precision,
                    activation_checkpointing=config.activation_checkpointing)
     if payload is not None:
@@ -117,7 +128,7 @@ def run_pretrain(config: PretrainConfig, run_dir: str | Path, *, resume: bool = 
                                   hint="resume it with --set ranks=1")
             optimizer.load_state_dict(payload["optimizer"])
         for step in range(start, phase.steps):
-            metrics = _train_step(head, optimizer, batches, phase, step, ranks, precision)
+            metrics = _train_step(head, optimizer, batches, phase, step, ranks, precision, routing)
             state = {"phase": index, "phase_step": step + 1, "global_step": state["global_step"] + 1,
                      "cursor": batches.cursor()}
             result.losses.append(metrics["loss"])
@@ -199,11 +210,15 @@ def _batches(config: PretrainConfig, phase: PhaseConfig, index: int, corpus, tok
     return ExampleBatches(ids_NS, mask_NS, config.seed, index, cursor)
 
 
-def _train_step(head, optimizer, batches, phase: PhaseConfig, step: int, ranks, precision: str) -> dict[str, float]:
+def _train_step(head, optimizer, batches, phase: PhaseConfig, step: int, ranks, precision: str,
+                routing=None) -> dict[str, Any]:
+    """One optimizer step; on an MoE model (`routing`, a RouterReplay that only observes) also the
+    routers' load balance over every position they saw this step on this rank."""
     import numpy as np
     import torch
 
     from atelier import distributed as D
+    from atelier.moe.metrics import expert_counts, load_balance
 
     started = time.perf_counter()
     lr = lr_at(step, lr=phase.lr, steps=phase.steps, warmup_steps=phase.warmup_steps,
@@ -217,6 +232,7 @@ def _train_step(head, optimizer, batches, phase: PhaseConfig, step: int, ranks, 
     plan = D.step_plan([int(m.sum()) + 1 for m in mask_RS], ranks.world, ranks.rank, phase.micro_batch)
     head.train()
     loss_sum = 0.0
+    counts_E = None
     with D.named_failure(f"step {step + 1} of phase '{phase.name}'"):
         with D.compute_weights([head], ranks, precision):
             for rows in plan:
@@ -226,6 +242,9 @@ def _train_step(head, optimizer, batches, phase: PhaseConfig, step: int, ranks, 
                 nll = -(logp_NS * mask).sum()
                 (nll * (D.grad_scale(ranks) / total)).backward()
                 loss_sum += float(nll.detach())
+                if routing is not None and rows:
+                    c = expert_counts(routing.used(), routing.num_experts)
+                    counts_E = c if counts_E is None else counts_E + c
         grad_norm = D.clip_grad_norm(head.parameters(), phase.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -233,7 +252,8 @@ def _train_step(head, optimizer, batches, phase: PhaseConfig, step: int, ranks, 
     elapsed = time.perf_counter() - started
     tokens = phase.grad_accum * phase.micro_batch * phase.seq_len
     return {"loss": loss_sum / total, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-            "targets": total, "tokens_per_s": tokens / elapsed, "step_s": elapsed, "ranks": ranks.world}
+            "targets": total, "tokens_per_s": tokens / elapsed, "step_s": elapsed, "ranks": ranks.world,
+            **(load_balance(counts_E) if counts_E is not None else {})}
 
 
 def _val_loss(head, stream, phase: PhaseConfig, config: PretrainConfig, device: str) -> float | None:
