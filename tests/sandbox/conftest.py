@@ -5,6 +5,7 @@ tree's exact state) so that tests can check on the host what happened."""
 from __future__ import annotations
 
 import hashlib
+import shutil
 import os
 import stat
 import time
@@ -240,3 +241,55 @@ class Host:
 @pytest.fixture
 def host() -> type[Host]:
     return Host
+
+
+# -- running as an ordinary user -------------------------------------------------
+
+NOBODY = 65534
+
+
+def _readable_by_all(path: Path) -> bool:
+    return all(os.stat(p).st_mode & 0o005 == 0o005 for p in [path, *path.parents])
+
+
+class Nobody:
+    """Runs a Python script as uid/gid `NOBODY` (the suite runs as root, as CI
+    does), with an interpreter of this version and the project's sources,
+    both readable by everyone; `prefix` runs first, as root (e.g. joining a
+    cgroup), then `setpriv` drops. Skips where no such interpreter exists."""
+
+    def __init__(self) -> None:
+        import sys
+        import sysconfig
+
+        import atelier
+
+        self.src = Path(atelier.__file__).resolve().parents[1]
+        self.site = Path(sysconfig.get_paths()["purelib"])
+        version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+        candidates = [Path(sys.executable).resolve(), Path("/usr/bin") / version, Path("/usr/local/bin") / version]
+        self.python = next((p for p in candidates if p.exists() and _readable_by_all(p.parent)), None)
+        if self.python is None or not all(_readable_by_all(p) for p in (self.src, self.site)):
+            pytest.skip("no interpreter and sources readable by an unprivileged user here")
+
+    def run(self, work: Path, script: str, *, prefix: str = "", timeout: float = 120):
+        import subprocess
+
+        os.chmod(work, 0o755)
+        (work / "run.py").write_text(script)
+        subprocess.run(["chown", "-R", f"{NOBODY}:{NOBODY}", str(work)], check=True)
+        drop = f"exec setpriv --reuid={NOBODY} --regid={NOBODY} --clear-groups {self.python} run.py"
+        return subprocess.run(
+            ["/bin/sh", "-c", f"{prefix}\n{drop}"], cwd=work, capture_output=True, text=True, timeout=timeout,
+            env={"PYTHONPATH": f"{self.src}:{self.site}", "PATH": "/usr/bin:/bin", "TMPDIR": str(work),
+                 "HOME": str(work)},
+        )
+
+
+@pytest.fixture
+def nobody() -> Nobody:
+    if os.geteuid() != 0:
+        pytest.skip("already unprivileged: the other tests cover it")
+    if shutil.which("bwrap") is None or shutil.which("setpriv") is None:
+        pytest.skip("bubblewrap or setpriv is not installed")
+    return Nobody()

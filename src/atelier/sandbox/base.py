@@ -76,12 +76,13 @@ class SandboxConfig(BaseModel):
     """Default wall-clock limit of one `exec`; the whole process group is killed
     past it and the result has exit code 124 and `timed_out=True`."""
     memory_mb: int = Field(2048, gt=0)
-    """Memory of the whole sandbox where a memory cgroup is writable (bwrap as
-    root): past it the kernel kills a process and the result says
-    `oom_killed`. Elsewhere, the address-space limit of each process
-    (RLIMIT_AS): an allocation past it fails inside the process (Python's
-    `MemoryError`, ENOMEM, a C++ abort), which the sandbox cannot tell apart
-    from the program's own failure, so `oom_killed` stays False."""
+    """Memory of the whole sandbox (bwrap): past it a process is killed and
+    the result says `oom_killed`. Enforced by a memory cgroup where one is
+    writable (root; a user with a delegated cgroup), else by the host's
+    memory watchdog plus this address-space limit on each process
+    (RLIMIT_AS), where one process's allocation past it fails inside it
+    (`MemoryError`, ENOMEM). See `atelier.sandbox.memory`. The local
+    backend has only the per-process limit."""
     max_processes: int = Field(256, gt=0)
     """Processes and threads the sandbox may hold at once."""
     disk_mb: int = Field(1024, gt=0)
@@ -148,9 +149,9 @@ class ExecResult:
     truncated: bool = False
     """True when stdout or stderr was cut at `output_limit_bytes`."""
     oom_killed: bool = False
-    """The kernel killed a process of the sandbox for passing its memory
-    cgroup's limit while this command ran (see `SandboxConfig.memory_mb`:
-    only detected where such a cgroup exists; never by the local backend)."""
+    """A process of the sandbox was killed for passing its memory limit
+    while this command ran (by the kernel in its memory cgroup, or by the
+    memory watchdog; never reported by the local backend)."""
 
     @property
     def ok(self) -> bool:
@@ -196,6 +197,11 @@ class Sandbox(abc.ABC):
 
     snapshot: Path
     config: SandboxConfig
+    memory_enforcement: str = "rlimit"
+    """How `memory_mb` binds (see `atelier.sandbox.memory`): `cgroup` (the
+    whole sandbox, kills counted), `watchdog` (each process by RLIMIT_AS,
+    the whole sandbox by the host's watchdog, kills counted) or `rlimit`
+    (each process only; no kill is ever reported)."""
 
     @abc.abstractmethod
     def exec(

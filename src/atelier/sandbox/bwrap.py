@@ -40,23 +40,29 @@ Isolated:
     (Linux < 5.19, or a filesystem that lacks them) the workspace is a copy.
 - Environment. Commands get an explicit environment (PATH, HOME=/tmp,
   LANG, plus `env`); no host variable leaks in.
-- Resources. Per process: address space (`memory_mb`, only without a
-  memory cgroup), file size, open files and CPU time. Per sandbox: process count (RLIMIT_NPROC counts per user
-  namespace; for root, also a pids cgroup, see `cgroups`), bytes written
-  (tmpfs size). Per `exec`: a wall-clock timeout that kills the process group, and an
-  output cap.
+- Resources. Per sandbox: memory (`memory_mb`: a memory cgroup where one
+  is writable, as root or with a delegated cgroup; else the host's memory
+  watchdog over the sum of its processes, see `memory`), process count
+  (RLIMIT_NPROC counts per user namespace; where writable, also a pids
+  cgroup, see `cgroups`), bytes written (tmpfs size). Per process: address
+  space (`memory_mb`, only without a memory cgroup), file size, open files
+  and CPU time. Per `exec`: a wall-clock timeout that kills the process
+  group, and an output cap.
 
 Not isolated:
 - The kernel is shared: a kernel exploit escapes, as from any container.
   Firecracker-class isolation needs a VM.
-- Memory is limited per process (RLIMIT_AS), not per sandbox, unless a memory
-  cgroup is writable (root); many processes can together use
-  `max_processes x memory_mb`. With the cgroup, RLIMIT_AS is not set (it
-  counts reserved address space, not memory, and would fail allocations
-  before the cgroup could act), the whole sandbox gets `memory_mb`, and a
-  process killed for passing it sets `ExecResult.oom_killed` (compared
-  `oom_kill` counts, see `cgroups`). Without it, running out of memory is a
-  failed allocation inside the process and is not reported as such.
+- Memory, as root (a memory cgroup): exact for the whole sandbox; RLIMIT_AS
+  is not set (it counts reserved address space, not memory, and would fail
+  allocations before the cgroup could act); a process killed for passing
+  `memory_mb` sets `ExecResult.oom_killed` (compared `oom_kill` counts, see
+  `cgroups`). As an ordinary user without a delegated cgroup: one process
+  cannot pass `memory_mb` (RLIMIT_AS; its allocation fails inside it, which
+  is not reported as a kill), and the watchdog kills the largest process
+  once the sandbox's processes together pass it (reported as `oom_killed`),
+  so the sum can pass the limit only by what is allocated within one
+  interval of 50 ms; kernel memory and page cache are not counted (see
+  `memory`).
 - CPU time is limited per process, not shared fairly between sandboxes.
 - `fork()` copies files, not running processes or their memory.
 - Read-only host files that are bound (the system directories) can be read.
@@ -106,7 +112,7 @@ from atelier.sandbox.base import (
     workspace_relpath,
 )
 from atelier.sandbox.cgroups import SandboxCgroup
-from atelier.sandbox import egress
+from atelier.sandbox import egress, memory
 from atelier.sandbox.hostfs import SANDBOX_PATH, generated_etc_files, runtime_dir, system_bind_args
 from atelier.sandbox.layers import Layer
 from atelier.sandbox.rootmap import Stage, acting_as, check_mapped, running_as_root
@@ -175,8 +181,10 @@ class BwrapSandbox(Sandbox):
         self._host_id = self.config.root_maps_to if running_as_root() else None
         if self._host_id is not None:
             check_mapped(self._host_id)
-        self._cgroup = SandboxCgroup(self.config.max_processes, self.config.memory_mb * MiB) \
-            if running_as_root() else None
+        # A cgroup wherever one is writable (root; a user with a delegated
+        # cgroup); otherwise the memory watchdog (see `memory`).
+        self._cgroup = SandboxCgroup(self.config.max_processes, self.config.memory_mb * MiB)
+        self._watch: memory.Watch | None = None
         try:
             self._start()
         except BaseException:
@@ -278,9 +286,16 @@ class BwrapSandbox(Sandbox):
         finally:
             os.close(root_fd)
         self._upper_fd = os.open(f"/proc/{self._holder_pid}/cwd", os.O_RDONLY | os.O_DIRECTORY)
+        if not self._cgroup.limits_memory:
+            self._watch = memory.WATCHDOG.watch(self.config.memory_mb * MiB, [self._init_pid])
         if self._proxy is not None:
             listener = egress.listen_inside(self._holder_pid, self.config.egress.port)
             self._forwarder = egress.LoopbackForwarder(listener, self._proxy.path, self.name)
+
+    @property
+    def memory_enforcement(self) -> str:
+        """`cgroup` or `watchdog`: how `memory_mb` is enforced (see `memory`)."""
+        return "cgroup" if self._cgroup.limits_memory else "watchdog"
 
     @property
     def closed(self) -> bool:
@@ -319,8 +334,10 @@ class BwrapSandbox(Sandbox):
         for layer in self._layers:
             layer.release()
         self._layers = []
-        if self._cgroup is not None:
-            self._cgroup.remove()
+        if self._watch is not None:
+            memory.WATCHDOG.unwatch(self._watch)
+            self._watch = None
+        self._cgroup.remove()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -347,7 +364,7 @@ class BwrapSandbox(Sandbox):
         # root lets nsenter drop its groups and become uid/gid 0 of the
         # sandbox's namespace, i.e. the unprivileged host id.
         keep_ids = ["--preserve-credentials"] if self._host_id is None else []
-        cgroup_memory = self._cgroup is not None and self._cgroup.limits_memory
+        cgroup_memory = self._cgroup.limits_memory
         full = [
             "nsenter", "-t", str(self._holder_pid), "-U", "-m", "-n", "-p", "-i", "-u", "-C",
             *keep_ids, "-r", f"--wd=/proc/{self._holder_pid}/root{WORKDIR}",
@@ -360,15 +377,28 @@ class BwrapSandbox(Sandbox):
             f"--cpu={cfg.cpu_time_s}", "--",
             *argv,
         ]
-        if self._cgroup is not None:
-            full = self._cgroup.wrap(full)
+        full = self._cgroup.wrap(full)
         proxy = egress.proxy_env(cfg.egress.port) if cfg.network == "proxy" else {}
         run_env = {"PATH": SANDBOX_PATH, "HOME": "/tmp", "LANG": "C.UTF-8", "TERM": "dumb",
                    "TMPDIR": "/tmp", **proxy, **cfg.env, **(env or {})}
-        kills_before = self._cgroup.oom_kills() if cgroup_memory else None
-        res = run_process(full, env=run_env, cwd=None, timeout=timeout or cfg.timeout_s,
-                          output_limit=cfg.output_limit_bytes, stdin=stdin, on_output=on_output)
-        if kills_before is not None and (self._cgroup.oom_kills() or 0) > kills_before:
+        watch = self._watch
+        kills_before = self._cgroup.oom_kills() if cgroup_memory else watch.kills if watch else None
+        started: list[int] = []
+
+        def on_start(pid: int) -> None:
+            started.append(pid)
+            if watch is not None:
+                watch.add_root(pid)  # the command's processes are its descendants
+
+        try:
+            res = run_process(full, env=run_env, cwd=None, timeout=timeout or cfg.timeout_s,
+                              output_limit=cfg.output_limit_bytes, stdin=stdin, on_output=on_output,
+                              on_start=on_start)
+        finally:
+            if watch is not None and started:
+                watch.discard_root(started[0])
+        kills_after = self._cgroup.oom_kills() if cgroup_memory else watch.kills if watch else None
+        if kills_before is not None and (kills_after or 0) > kills_before:
             res = dataclasses.replace(res, oom_killed=True)
         return res
 

@@ -1,6 +1,12 @@
-"""Per-sandbox cgroups, used when atelier runs as root.
+"""Per-sandbox cgroups, wherever a cgroup hierarchy is writable.
 
-Why only then: only root can write the cgroup hierarchy. RLIMIT_NPROC already
+Root can always write one. An ordinary user can where its own cgroup is
+delegated to it (see `atelier.sandbox.memory` for the order of fallbacks):
+under cgroup v2 a cgroup that holds processes cannot enable controllers for
+its children, so atelier moves the processes of its own (writable) cgroup
+into a leaf child, `LEAF`, once, and then enables `pids` and `memory` for
+the sandboxes' cgroups beside it. Elsewhere (the common case for a user)
+nothing is created and the watchdog bounds memory. RLIMIT_NPROC already
 counts the processes of each sandbox's own user namespace, for root too (its
 sandboxes run as an unprivileged uid, see `rootmap`), so a fork bomb stops at
 `max_processes`; the cgroup adds `pids.max` as a second wall and, where the
@@ -44,17 +50,54 @@ def _writable(d: Path) -> bool:
     return d.is_dir() and os.access(d, os.W_OK)
 
 
+LEAF = "atelier-leaf"
+"""Where atelier's own processes go under cgroup v2 (see the module docstring)."""
+_leaf_lock = threading.Lock()
+
+
 def _candidate_parents(controller: str) -> list[Path]:
     """Cgroups of ours under which a child with `controller` can be made:
-    v2 when the controller is enabled for children, else a v1 hierarchy."""
+    v2 when the controller is (or can be) enabled for children, else a v1
+    hierarchy."""
     out = []
-    v2 = ROOT / _own_path("")
-    subtree = v2 / "cgroup.subtree_control"
-    if (ROOT / "cgroup.controllers").exists() and subtree.exists() and controller in subtree.read_text().split():
-        out.append(v2)
+    if (ROOT / "cgroup.controllers").exists():
+        v2 = ROOT / _own_path("")
+        if v2.name == LEAF:
+            v2 = v2.parent
+        if _writable(v2) and _enable_for_children(v2, controller):
+            out.append(v2)
     if (ROOT / controller / "cgroup.procs").exists():
         out.append(ROOT / controller / _own_path(controller))
     return [p for p in out if _writable(p)]
+
+
+def _enable_for_children(d: Path, controller: str) -> bool:
+    """Make `controller` available to new children of the v2 cgroup `d`:
+    already so, or move every process of `d` into `d/LEAF` and enable it."""
+    try:
+        if controller in (d / "cgroup.subtree_control").read_text().split():
+            return True
+        if controller not in (d / "cgroup.controllers").read_text().split():
+            return False  # not delegated to us
+        with _leaf_lock:
+            leaf = d / LEAF
+            leaf.mkdir(exist_ok=True)
+            # Repeat: a process may fork while we move the others.
+            for _ in range(10):
+                pids = (d / "cgroup.procs").read_text().split()
+                if not pids:
+                    break
+                for pid in pids:
+                    try:
+                        (leaf / "cgroup.procs").write_text(pid)
+                    except ProcessLookupError:
+                        pass
+            (d / "cgroup.subtree_control").write_text(f"+{controller}")
+        log.info("cgroup v2: moved the processes of %s into %s to give sandboxes %s", d, LEAF, controller)
+        return True
+    except OSError as exc:
+        log.debug("cgroup %s: cannot enable %s for children: %s", d, controller, exc)
+        return False
 
 
 class SandboxCgroup:
