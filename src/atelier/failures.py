@@ -4,7 +4,8 @@ Every batch edge (an RL rollout, an evaluation attempt) sorts a failure into
 one of three classes, and each class has one rule:
 
 - **infra** (`is_infra`): a sandbox died or could not start, the grader
-  timed out, the engine or server is unreachable or closed, memory ran out.
+  timed out, the engine or server is unreachable or closed, memory ran out
+  where that is not the code under test's doing (see out of memory below).
   It says nothing about the policy: retried with backoff, never scored.
   Which exceptions are infra is decided here and nowhere else:
   `InfraError` and its subclasses (`EngineClosed`, `EngineBusy`,
@@ -13,6 +14,19 @@ one of three classes, and each class has one rule:
   `SandboxError` but a path error (the harness turns those into failed tool
   calls), `MemoryError`, `ConnectionError`, `TimeoutError`, an `OSError`
   out of disk or memory, and torch's out-of-memory error.
+- **out of memory** is one of three, by whose doing it can be:
+  - an agent's own command killed for passing the sandbox's memory limit:
+    the episode's outcome, not a failure (the tool result says so and the
+    episode goes on);
+  - a graded test run killed so, where the task's gold patch runs under the
+    same limit: the patch's failure, scored 0 and labelled (`GradeResult.
+    oom_killed`, an error starting `OUT_OF_MEMORY`, counted per step as
+    `out_of_memory`). Were it infra, a policy could dodge every negative
+    reward by allocating until killed;
+  - only where the limit cannot have been the patch's doing (the gold is
+    killed under it too; the trainer or engine ran out): infra,
+    `SandboxOutOfMemory`, `MemoryError`, torch's out-of-memory error.
+  `atelier.tasks.grade` applies the rule.
 - **malformed**: a model output the harness cannot read (`FormatError`) is
   not an exception at the batch edge at all: the model sees why, the call
   counts as broken, and the episode is scored like any other (a negative
@@ -39,7 +53,8 @@ from pathlib import Path
 
 from atelier.errors import BugError, InfraError
 
-__all__ = ["BugError", "FailureLog", "InfraError", "backoff_s", "classify", "describe", "is_infra"]
+__all__ = ["BugError", "FailureLog", "InfraError", "OUT_OF_MEMORY", "backoff_s", "classify", "describe",
+           "is_infra", "is_out_of_memory"]
 
 _OS_INFRA = {errno.ENOSPC, errno.ENOMEM, errno.EDQUOT}
 
@@ -57,6 +72,16 @@ def is_infra(exc: BaseException) -> bool:
     torch = sys.modules.get("torch")
     oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
     return oom is not None and isinstance(exc, oom)
+
+
+OUT_OF_MEMORY = "out of memory: "
+"""How a grading error starts when the patch ran the tests out of memory."""
+
+
+def is_out_of_memory(error: str | None) -> bool:
+    """Whether a grading error says the patch's test run passed the memory
+    limit (scored 0, not infra)."""
+    return bool(error) and error.startswith(OUT_OF_MEMORY)
 
 
 def classify(exc: BaseException) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from atelier.cli import main as cli
-from atelier.failures import is_infra
+from atelier.failures import is_infra, is_out_of_memory
 from atelier.sandbox import SandboxOutOfMemory, create_sandbox
 from atelier.tasks import load_task
 from atelier.tasks.envs import MARKER, ensure_env, env_mounts
@@ -111,24 +111,49 @@ def test_timeout_is_infrastructure(task_factory, env_cache: Path, h) -> None:
     assert r.infra_error and r.reward == 0.0 and "timed out after 2 s" in r.error
 
 
-def test_out_of_memory_is_infrastructure(task_factory, env_cache: Path, h) -> None:
-    """A test run killed for passing the memory limit is retried, never scored
-    (where a memory cgroup can tell; with RLIMIT_AS alone it is a MemoryError,
-    a failing test like any other)."""
+def _hog(h, mib: int) -> str:
+    """calc/ops.py fixed, but `add` first fills `mib` MiB."""
+    return h.OPS_FIXED.replace("return a + b", f"x = bytearray({mib} * 1024**2)\n    return a + b + len(x) * 0", 1)
+
+
+def _kills_for_memory(task) -> bool:
+    """Whether one process past the limit is killed here (a memory cgroup);
+    otherwise RLIMIT_AS fails its allocation inside it (the watchdog kills
+    only where many processes together pass the limit: tests/sandbox)."""
+    with create_sandbox(task.snapshot, task.limits.sandbox_config(backend="bwrap")) as probe:
+        return probe.memory_enforcement == "cgroup"
+
+
+def test_memory_hog_patch_scores_zero_not_infra(task_factory, env_cache: Path, h) -> None:
+    """The reward-hack route: a patch that allocates until it is killed
+    during grading is the patch's failure when the gold patch's run fits
+    under the same limit (else a policy would dodge every negative reward:
+    infra is retried, then dropped)."""
     task = load_task(task_factory())
     task = task.model_copy(update={"limits": task.limits.model_copy(update={"memory_mb": 256})})
-    hog = h.OPS_FIXED.replace("return a + b", "x = bytearray(1024**3)\n    return a + b + len(x) * 0", 1)
-    patch = h.make_patch({"calc/ops.py": (h.OPS, hog)})
-    with create_sandbox(task.snapshot, task.limits.sandbox_config(backend="bwrap")) as probe:
-        cgroup = getattr(probe, "_cgroup", None)
-        counted = cgroup is not None and cgroup.limits_memory and cgroup.oom_kills() is not None
-    if counted:
-        with pytest.raises(SandboxOutOfMemory, match="memory limit") as info:
-            run(task, patch, env_cache)
-        assert is_infra(info.value)
+    patch = h.make_patch({"calc/ops.py": (h.OPS, _hog(h, 1024))})
+    r = run(task, patch, env_cache)
+    assert r.reward == 0.0 and not r.infra_error, r
+    if _kills_for_memory(task):
+        assert r.oom_killed and is_out_of_memory(r.error) and "gold patch" in r.error, r.error
     else:
-        r = run(task, patch, env_cache)
-        assert r.reward == 0.0 and not r.infra_error and r.tests["tests/test_calc.py::test_add"] == "failed"
+        assert r.tests["tests/test_calc.py::test_add"] == "failed" and "MemoryError" in r.log_tail
+
+
+def test_out_of_memory_is_infrastructure_when_the_gold_does_not_fit(task_factory, env_cache: Path, h) -> None:
+    """Where the gold patch is killed under the same limit, the limit is not
+    the patch's doing: infra, retried, never scored; grading the gold itself
+    (validation) scores 0 and says the limit is too low."""
+    gold = h.make_patch({"calc/ops.py": (h.OPS, _hog(h, 1024))})
+    task = load_task(task_factory(name="calc-hungry", gold=gold))
+    task = task.model_copy(update={"limits": task.limits.model_copy(update={"memory_mb": 256})})
+    if not _kills_for_memory(task):
+        pytest.skip("no memory cgroup here: RLIMIT_AS fails the allocation instead")
+    r = run(task, task.gold_patch, env_cache)
+    assert r.reward == 0.0 and r.oom_killed and is_out_of_memory(r.error) and "reference" in r.error, r
+    with pytest.raises(SandboxOutOfMemory, match="not the patch's doing") as info:
+        run(task, h.make_patch({"calc/ops.py": (h.OPS, _hog(h, 2048))}), env_cache)
+    assert is_infra(info.value)
 
 
 def test_grading_a_live_sandbox_forks_it(task, env_cache: Path, h) -> None:

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Sequence
 
 from atelier.eval.records import EvalRecord
+from atelier.failures import is_out_of_memory
 from atelier.tasks.tamper import is_tampered
 
 Z_95 = 1.959963984540054
@@ -123,6 +124,9 @@ class EvalMetrics:
     tampered: int = 0
     """Graded attempts whose tests the patch tampered with (reward 0,
     `grade_error` starts with "tampered: ")."""
+    out_of_memory: int = 0
+    """Graded attempts whose patch ran the tests past the memory limit under
+    which the gold patch runs (reward 0, see `atelier.failures`)."""
     per_task: list[TaskStats] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -160,6 +164,7 @@ def compute_metrics(records: Sequence[EvalRecord], *, passes: int | None = None,
     m = EvalMetrics(model=model or next((r.model for r in records if r.model), ""),
                     tasks=len(by_task), passes=K, attempts=len(records), valid_attempts=len(valid))
     m.tampered = sum(is_tampered(r.grade_error) for r in valid)
+    m.out_of_memory = sum(is_out_of_memory(r.grade_error) for r in valid)
     for rec in records:
         if rec.infra_error:
             m.infra_errors += 1

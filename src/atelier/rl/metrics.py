@@ -21,6 +21,7 @@ from atelier.errors import AtelierError
 from atelier.fsio import append_line, atomic_write
 from atelier.rl.advantages import group_stats
 from atelier.rl.reconciler import Batch
+from atelier.failures import is_out_of_memory
 from atelier.tasks.tamper import is_tampered
 
 
@@ -72,19 +73,22 @@ def step_metrics(*, step: int, batch: Batch, ledger_counts: dict[str, int], trai
                  engine_swap_s: float, counters, idle_s: float, busy_s: float, wall_s: float,
                  mode: str) -> dict[str, Any]:
     """Reward and its parts, pass rate, best-of-K, staleness, IS weights, KL, entropy, throughput;
-    `tampered`: samples whose grading found the tests tampered with (reward 0); `failures`: the
+    `tampered`: samples whose grading found the tests tampered with (reward 0); `out_of_memory`:
+    samples whose patch ran the graded tests past the memory limit (reward 0); `failures`: the
     three classes of `atelier.failures` — infrastructure failures since the last step (also by
     exception type in `infra_types`; `rollout_failures` is the same count), the batch's samples
     with a malformed tool call (scored, not failures of the rollout), and the batch's samples
     whose rollout once hit a bug that stopped the run (run again after the resume)."""
-    rewards, parts, per_group, tampered = [], Counter(), [], 0
+    rewards, parts, per_group, tampered, oom = [], Counter(), [], 0, 0
     for group in batch.groups:
         slots = [s for s in batch.slots if s.group_id == group.group_id]
         per_group.append(group_stats([s.reward for s in slots], [s.passed for s in slots]))
         for s in slots:
             rewards.append(s.reward)
             traj = batch.trajectories[s.slot_id]
-            tampered += is_tampered(getattr(traj, "limits", {}).get("grade_error"))
+            grade_error = getattr(traj, "limits", {}).get("grade_error")
+            tampered += is_tampered(grade_error)
+            oom += is_out_of_memory(grade_error)
             for k, v in traj.reward_parts.items():
                 parts[k] += v
     n = max(len(rewards), 1)
@@ -97,7 +101,7 @@ def step_metrics(*, step: int, batch: Batch, ledger_counts: dict[str, int], trai
         "pass_rate": sum(g["pass_rate"] for g in per_group) / max(len(per_group), 1),
         "best_of_k": sum(g["best_of_k"] for g in per_group) / max(len(per_group), 1),
         "groups": len(batch.groups), "samples": len(rewards),
-        "tampered": tampered,
+        "tampered": tampered, "out_of_memory": oom,
         "gen_tokens": counters.gen_tokens, "gen_tokens_per_s": counters.gen_tokens / gen_interval,
         "rollouts": counters.rollouts, "rollout_failures": counters.failures,
         "failures": failure_counts(batch, counters), "infra_types": dict(sorted(counters.infra_types.items())),

@@ -66,11 +66,29 @@ test counts as failed; pytest's exit code must agree with the results
 (canaries included). reward = 1.0 only when every fail_to_pass and every
 pass_to_pass test passed, nothing was tampered and there was no error.
 
+Out of memory. The memory limit is part of the task, like its timeout.
 A test run killed for passing the sandbox's memory limit
-(`ExecResult.oom_killed`, detected where a memory cgroup bounds the sandbox)
-raises `SandboxOutOfMemory`, an infrastructure failure (`atelier.failures`):
-RL and evaluation retry it, nothing is scored. Where only RLIMIT_AS bounds
-memory, the test sees a `MemoryError` and fails like any other test.
+(`ExecResult.oom_killed`: a memory cgroup's count, or the sandbox's own
+memory watchdog, see `atelier.sandbox.memory`) is judged against a
+reference: the task's gold patch (the unchanged snapshot when it has none),
+graded once in a fresh sandbox with the same configuration (cached per
+task and limit for the process's life):
+- the reference runs without being killed: the limit is enough for the
+  task, so the patch brought the run past it. That is the patch's failure:
+  reward 0, `oom_killed=True`, an `error` starting "out of memory", never
+  infrastructure. (Were it infra, a policy could dodge every negative
+  reward by allocating until killed: infra samples are retried, then
+  dropped.)
+- the reference is killed too: the limit is not the patch's doing (too low
+  for the task, or the host short of memory): `SandboxOutOfMemory`, an
+  infrastructure failure (`atelier.failures`), retried and never scored.
+- the patch is the reference itself (`atelier tasks validate` grading the
+  gold): reward 0 with that error, so validation says the task's limit is
+  too low.
+Where only RLIMIT_AS bounds a process, an allocation past it fails inside
+the process (`MemoryError`): the test fails like any other, reward 0.
+An agent's own command killed for memory is neither: its tool result says
+so and the episode goes on (`harness.tools.shell`).
 
 A timeout of the test run is an infrastructure error (`infra_error=True`):
 the trainer excludes and retries it rather than scoring 0 (see PITFALLS),
@@ -100,6 +118,7 @@ import shlex
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from atelier.failures import OUT_OF_MEMORY
 from atelier.sandbox import Sandbox, SandboxError, SandboxOutOfMemory, create_sandbox
 from atelier.tasks import reporter, tamper as tamper_mod
 from atelier.tasks.envs import ensure_env, env_mounts, env_python
@@ -144,6 +163,10 @@ class GradeResult:
     tamper_suspect: list[str] = dataclasses.field(default_factory=list)
     """Static screen findings on the patch (`atelier.tasks.screen`): recorded,
     never a failure by themselves."""
+    oom_killed: bool = False
+    """The test run was killed for passing the sandbox's memory limit, under
+    which the task's reference runs: the patch's failure (reward 0, `error`
+    starts "out of memory"; see the module docstring)."""
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
@@ -268,10 +291,11 @@ def grade(task: Task, patch: str | None = None, *, sandbox: Sandbox | None = Non
 
 
 def grade_in(sb: Sandbox, task: Task, patch: str, python: str | None, *,
-             diff: str | None = None) -> GradeResult:
+             diff: str | None = None, reference: bool = False) -> GradeResult:
     """Apply, restore, run and score inside `sb` (which this changes).
     `diff`: how the workspace already differs from the snapshot (a fork of
-    a live sandbox); default: `patch`."""
+    a live sandbox); default: `patch`. `reference`: `patch` is the one an
+    out-of-memory kill is judged against (see the module docstring)."""
     timeout = task.limits.timeout_s or sb.config.timeout_s
     f2p, p2p = task.fail_to_pass, task.pass_to_pass
     changes = diff if diff is not None else patch
@@ -303,10 +327,19 @@ def grade_in(sb: Sandbox, task: Task, patch: str, python: str | None, *,
                   on_output=collect)
     tail = run.stderr[-4000:]
     if run.oom_killed:
-        raise SandboxOutOfMemory(
-            f"task {task.id}: the test run was killed for passing the sandbox's memory limit "
-            f"({sb.config.memory_mb} MiB); not scored",
-            hint="an infrastructure failure: retried; raise the task's memory limit if it recurs")
+        is_reference = reference or patch.strip() == reference_patch(task).strip()
+        if not is_reference and not reference_fits(sb, task, python):
+            raise SandboxOutOfMemory(
+                f"task {task.id}: the test run was killed for passing the sandbox's memory limit "
+                f"({sb.config.memory_mb} MiB), and so is the task's gold patch: the limit is not "
+                "the patch's doing; not scored",
+                hint="an infrastructure failure: retried; raise the task's `limits.memory_mb`")
+        whose = "the task's own reference patch" if is_reference else "the patch"
+        result = score(f2p, p2p, None, run.exit_code, timeout_s=timeout, log_tail=tail, suspect=suspect,
+                       error=f"{OUT_OF_MEMORY}{whose} made the test run pass the sandbox's memory "
+                             f"limit of {sb.config.memory_mb} MiB"
+                             + ("" if is_reference else ", under which the gold patch's run fits"))
+        return dataclasses.replace(result, oom_killed=True)
     if not chunks and run.exit_code in (126, 127):  # the shell's "cannot run" / "not found"
         return score(f2p, p2p, None, run.exit_code, timeout_s=timeout, log_tail=tail, suspect=suspect,
                      error=f"could not start the test command {argv[0]} (exit {run.exit_code})")
@@ -322,6 +355,27 @@ def grade_in(sb: Sandbox, task: Task, patch: str, python: str | None, *,
     return score(f2p, p2p, results, found.exit_code, timed_out=run.timed_out and not finished,
                  timeout_s=timeout, log_tail=tail, tamper=found.tamper, suspect=suspect,
                  others=others)
+
+
+def reference_patch(task: Task) -> str:
+    """What an out-of-memory kill is judged against: the gold patch, or no
+    change where the task has none."""
+    return task.gold_patch or ""
+
+
+_REFERENCE_FITS: dict[tuple[str, str, int, tuple[str, ...]], bool] = {}
+
+
+def reference_fits(sb: Sandbox, task: Task, python: str | None) -> bool:
+    """Whether the reference patch's test run stays under `sb`'s memory
+    limit: graded once in a fresh sandbox with `sb`'s configuration, then
+    remembered for this task and limit."""
+    key = (task.id, str(task.snapshot), sb.config.memory_mb, tuple(sb.config.ro_mounts))
+    if key not in _REFERENCE_FITS:
+        with create_sandbox(task.snapshot, sb.config) as ref:
+            result = grade_in(ref, task, reference_patch(task), python, reference=True)
+        _REFERENCE_FITS[key] = not result.oom_killed
+    return _REFERENCE_FITS[key]
 
 
 def _place_canaries(sb: Sandbox, task: Task) -> Canaries:
