@@ -59,6 +59,18 @@ def test_curriculum_puts_hard_categories_first_once_easy_ones_saturate():
     assert cur.next_task([], cat) is None
 
 
+def test_curriculum_window_follows_admission_order_not_completion_order():
+    """Groups 0-2 finishing in any order (or observed again by a resumed run) leave the same window."""
+    groups = {0: [False, False], 1: [True, True], 2: [True, True]}
+    windows = set()
+    for order in ([0, 1, 2], [2, 1, 0], [1, 2, 0]):
+        cur = Curriculum(CurriculumConfig(saturation=0.8, window=2))
+        for index in order:
+            cur.observe_group("all", [1, 1], [5, 5], groups[index], order=index)
+        windows.add((tuple(cur.recent), cur.saturated))
+    assert windows == {(((1, 1.0), (2, 1.0)), True)}
+
+
 # --- reconciler with a scripted backend: staleness admission, retries -----
 @dataclass(frozen=True)
 class T:
@@ -136,9 +148,11 @@ def test_sync_mode_admits_one_batch_at_a_time(tmp_path):
 
 def test_infra_failures_are_retried_then_excluded_never_scored(tmp_path):
     rc, backend = _reconciler(tmp_path, max_staleness=0, max_retries=1, min_valid=1, retry_backoff_s=0)
+    seed = backend.pending["g00000-t0/0"][1]
     backend.finish("g00000-t0/0", error=InfraError("sandbox died"))
     assert rc.ledger.slots["g00000-t0/0"].state == "running"  # re-queued and relaunched (no backoff here)
     assert rc.ledger.slots["g00000-t0/0"].attempt == 1
+    assert backend.pending["g00000-t0/0"][1] == seed   # the same draw (rollout_seed says why)
     backend.finish("g00000-t0/0", error=InfraError("sandbox died again"))
     assert rc.ledger.slots["g00000-t0/0"].state == "dropped"
     backend.finish("g00000-t0/1", 0.25)
@@ -150,6 +164,7 @@ def test_infra_failures_are_retried_then_excluded_never_scored(tmp_path):
 
 def test_resume_reruns_in_flight_rollouts_and_keeps_graded_ones(tmp_path):
     rc, backend = _reconciler(tmp_path, max_staleness=0)
+    first_seed = backend.pending["g00000-t0/1"][1]
     backend.finish("g00000-t0/0", 1.0)
     rc.close()
     rc.ledger.close()
@@ -161,7 +176,10 @@ def test_resume_reruns_in_flight_rollouts_and_keeps_graded_ones(tmp_path):
                      seed=0, version=0)
     rc2.start()
     assert list(backend2.pending) == ["g00000-t0/1"]   # only the lost one runs again
-    assert ledger.slots["g00000-t0/1"].attempt == 1
+    # at the same attempt and seed: a kill is not the rollout's failure, and the re-run samples what
+    # the lost one would have (so a resumed run can equal an uninterrupted one)
+    assert ledger.slots["g00000-t0/1"].attempt == 0
+    assert backend2.pending["g00000-t0/1"][1] == first_seed
     backend2.finish("g00000-t0/1", 0.0)
     batch = rc2.next_batch(timeout=1)
     assert sorted(batch.slot_ids) == ["g00000-t0/0", "g00000-t0/1"]

@@ -45,7 +45,17 @@ Guarantees, which the tests check:
   submitted after it returns samples only from the new version.
 - A request's tokens depend only on its prompt, params and seed (and the
   weights), not on what else shares the batch or on preemption, up to float
-  rounding across batch shapes.
+  rounding across batch shapes. With `batch_invariant=True` there is no such
+  rounding either: each request's prefill and decode run as forwards of
+  their own (a batch of one; requests still interleave step by step) and the
+  prefix cache is off, so its tokens *and logprobs* are bit for bit those it
+  gets alone, whatever ran beside it and whenever it arrived. Measured here:
+  a shared-prompt prefix-cache hit (the second member of a group computing
+  only its prompt's tail) moved logprobs by up to 2e-3 in bf16, and which
+  member of a group hits the cache depends on which thread reaches the queue
+  first. That is what reproducible RL runs need (`rollout.batch_invariant`);
+  it costs the throughput of batching. Preemption (the KV budget full)
+  recomputes a request's keys in one prefill and still changes its rounding.
 - A cancelled request (`RequestHandle.cancel()`, e.g. its HTTP client went
   away) leaves within one step with `finish_reason="abort"` and gives back its
   blocks.
@@ -212,6 +222,8 @@ class LocalEngine:
     bounds how much of it is kept registered for reuse (0: no prefix caching).
     The context limit is the model's, capped by `max_seq_len` and by the KV budget.
     `max_queue` bounds the requests waiting for admission (None: unbounded).
+    `batch_invariant=True`: every request's forwards run alone and nothing is prefix-cached,
+    so its results do not depend on what shares the engine (see the module docstring).
     Use as a context manager or call `close()`.
     """
 
@@ -219,7 +231,7 @@ class LocalEngine:
                  max_batch: int = 32, max_seq_len: int | None = None, name: str | None = None,
                  version: int = 0, prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
                  kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS, max_prefill_tokens: int = 2048,
-                 max_queue: int | None = None) -> None:
+                 max_queue: int | None = None, batch_invariant: bool = False) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if prefix_cache_tokens < 0:
@@ -244,7 +256,8 @@ class LocalEngine:
         limit = getattr(self.model.config, "max_position_embeddings", None) or 2048
         self.max_seq_len = min(limit, max_seq_len or limit, self.kv_cache_tokens)
         self._forward = BatchedForward(self.model, blocks, KV_BLOCK)
-        self.pool = BlockPool(blocks, KV_BLOCK, prefix_cache_tokens // KV_BLOCK)
+        self.batch_invariant = batch_invariant
+        self.pool = BlockPool(blocks, KV_BLOCK, 0 if batch_invariant else prefix_cache_tokens // KV_BLOCK)
         self._epoch = 0  # bumped by every weight update: KV from an older epoch is never cached
         self._admissions = 0
         self._clear_prefix = False
@@ -501,7 +514,11 @@ class LocalEngine:
 
     def _prefill(self, admitted: list[_Request]) -> None:
         contexts = [r.context for r in admitted]
-        logits_BV = self._forward.prefill([(c, r.length, r.blocks) for c, r in zip(contexts, admitted)])
+        seqs = [(c, r.length, r.blocks) for c, r in zip(contexts, admitted)]
+        if self.batch_invariant:
+            logits_BV = torch.cat([self._forward.prefill([seq]) for seq in seqs])
+        else:
+            logits_BV = self._forward.prefill(seqs)
         self.stats["prefills"] += 1
         self.stats["prefix_hit_tokens"] += sum(r.length for r in admitted)
         self.stats["prefill_tokens"] += sum(len(c) - r.length for c, r in zip(contexts, admitted))
@@ -540,8 +557,11 @@ class LocalEngine:
     def _decode(self) -> None:
         self._grow()
         active = self._active
-        logits_BV = self._forward.decode([r.token_ids[-1] for r in active], [r.length for r in active],
-                                         [r.blocks for r in active])
+        if self.batch_invariant:
+            logits_BV = torch.cat([self._forward.decode([r.token_ids[-1]], [r.length], [r.blocks]) for r in active])
+        else:
+            logits_BV = self._forward.decode([r.token_ids[-1] for r in active], [r.length for r in active],
+                                             [r.blocks for r in active])
         self.stats["steps"] += 1
         self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(active))
         for request in active:

@@ -33,6 +33,12 @@ class RolloutConfig(AtelierConfig):
     """The local engine's prefix-cache budget: earlier turns' keys and values kept for reuse (0: off)."""
     kv_cache_tokens: int = Field(DEFAULT_KV_CACHE_TOKENS, ge=64)
     """The local engine's whole KV memory in token positions; rollouts wait when it is full."""
+    batch_invariant: bool = False
+    """The local engine runs each rollout's forwards alone (a batch of one) with no prefix cache, so
+    a rollout's tokens and logprobs depend only on its prompt, seed and weights, never on what ran
+    beside it. With mode = "sync" that makes a run reproducible bit for bit: two runs with the same
+    seed, or a run killed and resumed, train the same samples to the same weights
+    (tests/rl/test_crash_points.py). Costs the throughput of batching."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """The local engine's precision. auto: bf16 on GPUs and on CPUs with AMX or AVX512-BF16, else
     fp32. The sampler's logprobs are those of the distribution it sampled from; the trainer
@@ -225,4 +231,12 @@ class TrainConfig(RlOptions):
             raise ValueError("trainer.router_replay = true needs a sampler that returns the experts it chose "
                              "for every token; the vLLM backend does not (see atelier.inference.vllm_engine): "
                              "use inference.engine = \"builtin\", or router_replay = false")
+        return self
+
+    @model_validator(mode="after")
+    def _batch_invariance_is_the_built_in_engines(self) -> "TrainConfig":
+        if self.rollout.batch_invariant and self.inference.engine == "vllm":
+            raise ValueError("rollout.batch_invariant = true is a switch of the built-in engine; vLLM has its "
+                             "own (its batch-invariant kernels, on GPUs): set it to false with "
+                             "inference.engine = 'vllm'")
         return self

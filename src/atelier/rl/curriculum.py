@@ -7,10 +7,18 @@ the recent pass rate is below `saturation` tasks come in their fixed order;
 once the easy ones saturate, the next task is taken from the category whose
 finished rollouts were hardest (most turns and sampled tokens, lowest pass
 rate), so hard tasks are trained on before the epoch ends.
+
+The recent pass rate is that of the `window` latest groups *by admission
+order* (`observe_group(..., order=group index)`), not by the order they
+happened to finish in: a resumed run, which observes the finished groups
+again in admission order, and two runs whose rollouts finished in different
+orders pick the same next task (in sync mode; async admission itself
+depends on timing).
 """
 
 from __future__ import annotations
 
+from bisect import insort
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -36,22 +44,27 @@ class CategoryStats:
 class Curriculum:
     cfg: CurriculumConfig
     stats: dict[str, CategoryStats] = field(default_factory=dict)
-    recent: list[float] = field(default_factory=list)    # pass rates of the latest groups
+    recent: list[tuple[float, float]] = field(default_factory=list)
+    """(admission order, pass rate) of the latest `window` groups, sorted by order."""
 
-    def observe_group(self, category: str, turns: list[int], tokens: list[int], passed: list[bool]) -> None:
+    def observe_group(self, category: str, turns: list[int], tokens: list[int], passed: list[bool],
+                      order: float | None = None) -> None:
+        """Count a finished group; `order` is its admission index (None: after every group so far)."""
         s = self.stats.setdefault(category, CategoryStats())
         s.rollouts += len(turns)
         s.turns += sum(turns)
         s.tokens += sum(tokens)
         s.passed += sum(passed)
         if passed:
-            self.recent.append(sum(passed) / len(passed))
+            if order is None:
+                order = self.recent[-1][0] + 1 if self.recent else 0
+            insort(self.recent, (order, sum(passed) / len(passed)))
             del self.recent[:-self.cfg.window]
 
     @property
     def saturated(self) -> bool:
         return (self.cfg.enabled and len(self.recent) >= self.cfg.window
-                and sum(self.recent) / len(self.recent) >= self.cfg.saturation)
+                and sum(rate for _, rate in self.recent) / len(self.recent) >= self.cfg.saturation)
 
     def next_task(self, remaining: Sequence[Any], category: Callable[[Any], str]) -> Any:
         """The next task from `remaining` (in epoch order); None when empty."""

@@ -21,7 +21,7 @@ ignored. Resume rules (`Ledger.load(path, committed_step)`):
   undone (those slots are `ready` again: the model that learned from them was
   never saved);
 - slots left `queued` or `running` are re-run (their rollout died with the
-  process);
+  process), at the same attempt: a kill is not a failure of the rollout;
 - `graded` and `ready` slots keep their trajectories and are trained once.
 
 Groups are numbered in admission order (`group_index`); the task cursor is

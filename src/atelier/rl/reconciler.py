@@ -41,7 +41,8 @@ In sync mode S = 0: each batch is generated entirely by the current weights.
 
 A group is trained only when every member is graded or dropped; members
 lost to infrastructure failures are retried up to `max_retries` times, each
-after a backoff (`retry_backoff_s`, doubling), then left out of the group's
+after a backoff (`retry_backoff_s`, doubling) and with the slot's own seed
+(`rollout_seed`, which says why), then left out of the group's
 statistics (never scored 0); a group with fewer than `min_valid` members
 left is dropped with a reason.
 
@@ -164,18 +165,26 @@ class Reconciler:
 
     # --- start / resume ----------------------------------------------------
     def start(self) -> None:
-        """Re-queue rollouts that died with a previous process, rebuild curriculum stats, launch."""
+        """Re-queue rollouts that died with a previous process, rebuild curriculum stats and the
+        counters of rollouts not yet reported in a metrics line, launch.
+
+        A rollout cut off by the process's death runs again at the *same* attempt, hence with the
+        same seed (see `rollout_seed`): a kill is not the rollout's failure, so it neither uses up
+        a retry nor changes what the slot samples."""
         with self._cond:
             for slot in self.ledger.in_state("running"):
-                self.ledger.set(slot.slot_id, "queued", attempt=slot.attempt + 1, reason="re-run after restart")
-            for group in self.ledger.groups.values():
+                self.ledger.set(slot.slot_id, "queued", reason="re-run after restart")
+            for slot in self.ledger.in_state("graded", "ready"):   # generated, not yet in a metrics line
+                self.counters.rollouts += 1
+                self.counters.gen_tokens += slot.tokens
+            for group in sorted(self.ledger.groups.values(), key=lambda g: g.index):
                 slots = self.ledger.group_slots(group.group_id)
                 if not group.dropped and all(s.state in ("ready", "trained") for s in slots if s.state != "dropped"):
                     valid = [s for s in slots if s.state != "dropped"]
                     if valid:
                         self.curriculum.observe_group(self.category(self.tasks[group.task_id]),
                                                       [s.turns for s in valid], [s.tokens for s in valid],
-                                                      [bool(s.passed) for s in valid])
+                                                      [bool(s.passed) for s in valid], order=group.index)
                 self._maybe_complete(group)
             self._pump()
 
@@ -208,8 +217,7 @@ class Reconciler:
             self._not_before.pop(slot.slot_id, None)
             self.ledger.set(slot.slot_id, "running", start_version=self.backend.version)
             self.running.add(slot.slot_id)
-            seed = (self.seed * 1_000_003 + self.ledger.groups[slot.group_id].index * 1009
-                    + slot.member * 101 + slot.attempt) % (2**31)
+            seed = rollout_seed(self.seed, self.ledger.groups[slot.group_id].index, slot.member)
             self.backend.submit(slot.slot_id, self.tasks[slot.task_id], seed, self._on_done)
 
     # --- results -----------------------------------------------------------
@@ -296,7 +304,8 @@ class Reconciler:
         for s, adv in zip(valid, advantages):
             self.ledger.set(s.slot_id, "ready", advantage=adv)
         self.curriculum.observe_group(self.category(self.tasks[group.task_id]), [s.turns for s in valid],
-                                      [s.tokens for s in valid], [bool(s.passed) for s in valid])
+                                      [s.tokens for s in valid], [bool(s.passed) for s in valid],
+                                      order=group.index)
 
     # --- the trainer's side --------------------------------------------------
     def _ready(self, group: Group) -> bool:
@@ -372,6 +381,27 @@ class Reconciler:
 
     def load_trajectory(self, slot_id: str) -> Trajectory:
         return Trajectory.load(self._path(slot_id))
+
+
+def rollout_seed(run_seed: int, group_index: int, member: int) -> int:
+    """The sampling seed of member `member` of the `group_index`-th admitted group.
+
+    A function of the run's seed and the slot's place alone, never of its
+    attempt: every run of the slot draws from the same random stream (and, on
+    the same weights, samples the same tokens).
+    - A rollout cut off by `kill -9` runs again on resume with this seed, so a
+      resumed run draws exactly the samples of an uninterrupted one (with
+      `rollout.batch_invariant` and sync mode, bit for bit; tests/rl/test_crash_points.py).
+    - An infrastructure retry (sandbox died, engine unreachable) also reruns
+      with this seed, deliberately: the failure was the machinery's, not the
+      sample's, so the retried rollout is the one a run without the failure
+      would have drawn, and a group's statistics are not conditioned on which
+      draws happened to survive the infrastructure. The cost: a draw that
+      itself provokes an infrastructure failure (say, commands that exhaust the
+      sandbox's memory) fails again on each retry and is dropped after
+      `max_retries`, never scored, exactly as the failure taxonomy says.
+    """
+    return (run_seed * 1_000_003 + group_index * 1009 + member * 101) % (2**31)
 
 
 def _fname(slot_id: str) -> str:

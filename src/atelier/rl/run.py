@@ -117,7 +117,8 @@ def open_rollout_engine(config: TrainConfig, model_path: Path, version: int, wor
     return open_model(model_path, inference=config.inference, version=version, name=model_path.name,
                       work_dir=work_dir, max_batch=max(8, config.rollout.workers),
                       prefix_cache_tokens=config.rollout.prefix_cache_tokens, dtype=config.rollout.dtype,
-                      kv_cache_tokens=config.rollout.kv_cache_tokens)
+                      kv_cache_tokens=config.rollout.kv_cache_tokens,
+                      batch_invariant=config.rollout.batch_invariant)
 
 
 @dataclass
