@@ -20,6 +20,8 @@ Also measured, on the built-in engine:
   from a safetensors directory, and publish-to-first-new-token: the time from
   calling `update_weights` while 8 requests stream to the first token stamped
   with the new version.
+- each vLLM row also runs the agent workload with vLLM's prefix caching
+  (`agent` in the row: seconds, prompt tokens served from the cache);
 - each vLLM row also measures its weight updates (`weight_update` in the row):
   full-model `update_weights` from in-process tensors and from a safetensors
   directory; publish-to-first-new-token while 8 requests stream (from calling
@@ -199,8 +201,26 @@ def _vllm(ctx: Context, dtype: str) -> dict:
         run(ctx.prompts[:2])  # warm-up
         result = {"dtype": dtype, "server_start_s": round(start_s, 1), "chunk_tokens": engine.config.chunk_tokens,
                   **_throughput(run, ctx.prompts, ctx.args.batches)}
+        if ctx.args.agents > 0 and "agent" not in ctx.args.skip:
+            try:
+                result["agent"] = _vllm_agent(ctx, engine)
+            except Exception as exc:  # reported, and the row's weight updates still run
+                result["agent"] = {"error": f"{type(exc).__name__}: {exc}"}
         result["weight_update"] = _vllm_weight_update(ctx, engine)
         return result
+
+
+def _vllm_agent(ctx: Context, engine) -> dict:
+    """The agent workload (see `agent_workload`) on vLLM with its prefix caching on, as the backend runs."""
+    a = ctx.args
+    prompts = _agent_prompts(engine.tokenizer, a.agents)
+    engine.clear_prefix_cache()
+    cached, generated = engine.stats["cached_prompt_tokens"], engine.stats["generated_tokens"]
+    secs, replies = _timed(lambda: _agents_run(engine, prompts, a.turns, a.turn_tokens))
+    return {"seconds": round(secs, 2), "prompt_tokens": [len(p) for p in prompts],
+            "generated_tokens": engine.stats["generated_tokens"] - generated,
+            "prefix_hit_tokens": engine.stats["cached_prompt_tokens"] - cached,
+            "replies_per_agent": [len(r) for r in replies]}
 
 
 def _vllm_weight_update(ctx: Context, engine) -> dict:
@@ -468,7 +488,7 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="comma list of: agent, weights, serve")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
-    skip = set(filter(None, args.skip.split(",")))
+    skip = args.skip = set(filter(None, args.skip.split(",")))
 
     import torch
     from transformers import AutoTokenizer
