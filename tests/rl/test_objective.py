@@ -105,3 +105,24 @@ def test_broken_calls_are_penalised_on_a_trajectory_not_discarded():
     traj.tool_calls.append(ToolCallRecord(turn=0, name="?", arguments={}, output="bad json", ok=False, broken=True))
     parts = shape_trajectory(traj, 0.0, ShapingConfig(broken_call_penalty=0.3))
     assert traj.reward == pytest.approx(-0.3) and traj.reward_parts is parts
+
+
+def test_edit_bonus_needs_a_changed_line_that_the_grader_applied():
+    diff = "--- a/m.py\n+++ b/m.py\n@@ -1 +1 @@\n-x = 1\n+x = 2\n"
+    cfg = ShapingConfig(edit_bonus=0.5)
+    edited = Trajectory(task_id="t", turns=2, final_diff=diff)
+    assert shape_trajectory(edited, 0.0, cfg)["edit"] == pytest.approx(0.5)
+    assert edited.reward == pytest.approx(0.5)
+    rejected = Trajectory(task_id="t", turns=2, final_diff=diff)
+    assert shape_trajectory(rejected, 0.0, cfg, applied=False)["edit"] == 0.0
+    headers_only = Trajectory(task_id="t", turns=2, final_diff="--- a/m.py\n+++ b/m.py\n")
+    assert shape_trajectory(headers_only, 0.0, cfg)["edit"] == 0.0
+    off = Trajectory(task_id="t", turns=2, final_diff=diff)
+    assert shape_trajectory(off, 0.0, ShapingConfig())["edit"] == 0.0 and off.reward == 0.0
+
+
+def test_changed_lines_counts_added_and_removed_lines_not_headers():
+    from atelier.harness.trajectory import changed_lines
+
+    diff = "diff --git a/m.py b/m.py\n--- a/m.py\n+++ b/m.py\n@@ -1,2 +1,2 @@\n-a\n+b\n c\n+d\n"
+    assert changed_lines(diff) == 3 and changed_lines("") == 0

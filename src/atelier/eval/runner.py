@@ -46,7 +46,7 @@ from atelier.eval.records import (META_FILE, SUMMARY_FILE, EvalError, EvalRecord
 from atelier.failures import FailureLog, backoff_s, is_infra
 from atelier.fsio import crash_point
 from atelier.harness.config import AgentConfig
-from atelier.harness.trajectory import Trajectory
+from atelier.harness.trajectory import Trajectory, changed_lines
 from atelier.inference.types import ChatModel, TokenModel
 from atelier.tasks.schema import Task
 
@@ -285,5 +285,4 @@ def _fill_from_trajectory(record: EvalRecord, traj: Trajectory, prices: PriceTab
     record.tokens_in, record.tokens_out = billed_tokens(traj)
     record.turns, record.tool_calls, record.broken_calls = traj.turns, traj.num_tool_calls, traj.broken_calls
     record.cost = prices.cost(record.model, record.tokens_in, record.tokens_out)
-    record.diff_lines = sum(1 for line in traj.final_diff.splitlines()
-                            if line[:1] in "+-" and not line.startswith(("+++", "---")))
+    record.diff_lines = changed_lines(traj.final_diff)

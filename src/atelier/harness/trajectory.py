@@ -42,6 +42,12 @@ from atelier.inference.routes import decode_routes, encode_routes, merge_routes,
 NOT_SAMPLED = -1
 
 
+def changed_lines(diff: str) -> int:
+    """Added plus removed lines of a unified diff (file headers not counted): the size of an
+    episode's edit, shared by the evaluation records (`diff_lines`) and RL's edit shaping."""
+    return sum(1 for line in diff.splitlines() if line[:1] in "+-" and not line.startswith(("+++", "---")))
+
+
 @dataclass
 class Segment:
     """One context window's token buffer."""

@@ -9,6 +9,15 @@
   trained on as negative samples, never discarded (discarding them was a
   reward hack: the model learned that breaking a call erases a bad episode).
 - To-dos: a penalty per to-do item created and left unfinished.
+- Edit (off by default): a targeted behaviour reward, `edit_bonus` when the
+  episode's final diff changes at least one line and the grader could apply
+  it: the same predicate as the evaluation's `edit` measure
+  (`atelier.eval.compare`). At a scale where no rollout passes the hidden
+  tests, correctness gives every group zero variance and RL learns nothing;
+  this term rewards the first step of a fix (a well-formed, applied edit),
+  so groups differ. A recipe that turns it on and names `edit` as its
+  headline must say so: the test then measures whether a rewarded behaviour
+  carries over to held-out files, not correctness.
 - Tamper suspicion (off by default): a fixed penalty when the static screen
   (`atelier.tasks.screen`) flags the final diff for reaching into test
   machinery or process exit. A tampered run already scores 0 whatever the
@@ -49,6 +58,8 @@ class ShapingConfig(AtelierConfig):
     unfinished_todo_penalty: float = 0.05
     tamper_suspect_penalty: float = Field(0.0, ge=0)
     """Subtracted when the static screen flags the final diff (0 turns it off)."""
+    edit_bonus: float = Field(0.0, ge=0)
+    """Added when the final diff changes code and applies (0 turns it off; see the module docstring)."""
 
 
 def length_cost(x: float, k: float, q: float) -> float:
@@ -72,7 +83,7 @@ def unfinished_todos(todos: list[dict[str, Any]]) -> int:
 
 def shape_reward(correctness: float, *, tokens: dict[str, int], tool_calls: int, turns: int,
                  broken_calls: int, todos: list[dict[str, Any]], cfg: ShapingConfig,
-                 tamper_suspect: bool = False) -> dict[str, float]:
+                 tamper_suspect: bool = False, edited: bool = False) -> dict[str, float]:
     """All parts of the reward; parts["total"] is their sum."""
     x = length_units(tokens, tool_calls, turns, cfg)
     parts = {
@@ -81,6 +92,7 @@ def shape_reward(correctness: float, *, tokens: dict[str, int], tool_calls: int,
         "broken_calls": -cfg.broken_call_penalty * broken_calls,
         "unfinished_todos": -cfg.unfinished_todo_penalty * unfinished_todos(todos),
         "tamper_suspect": -cfg.tamper_suspect_penalty * float(tamper_suspect),
+        "edit": cfg.edit_bonus * float(edited),
     }
     parts["total"] = sum(parts.values())
     parts["length_x"] = x  # logged, not part of the total
@@ -88,15 +100,17 @@ def shape_reward(correctness: float, *, tokens: dict[str, int], tool_calls: int,
     return parts
 
 
-def shape_trajectory(traj, correctness: float, cfg: ShapingConfig) -> dict[str, float]:
+def shape_trajectory(traj, correctness: float, cfg: ShapingConfig, *, applied: bool = True) -> dict[str, float]:
     """`shape_reward` over a Trajectory's counters and its final diff's
-    static screen; sets traj.reward and reward_parts."""
+    static screen; sets traj.reward and reward_parts. `applied`: the grader
+    could apply the final diff (no grade error), which the edit term needs."""
+    from atelier.harness.trajectory import changed_lines
     from atelier.tasks.screen import screen_patch
 
     suspect = bool(screen_patch(traj.final_diff)) if getattr(traj, "final_diff", None) else False
     parts = shape_reward(correctness, tokens=traj.tokens, tool_calls=traj.num_tool_calls,
                          turns=traj.turns, broken_calls=traj.broken_calls, todos=traj.todos, cfg=cfg,
-                         tamper_suspect=suspect)
+                         tamper_suspect=suspect, edited=applied and changed_lines(traj.final_diff) > 0)
     traj.reward = parts["total"]
     traj.reward_parts = parts
     return parts

@@ -67,7 +67,7 @@ class TaskEnvironment:
             raise InfraError(episode.infra_error)
         traj, result = episode.trajectory, episode.grade
         fractions = dict(traj.reward_parts)
-        shape_trajectory(traj, result.reward, self.shaping)
+        shape_trajectory(traj, result.reward, self.shaping, applied=not result.error)
         traj.reward_parts.update({"pass": float(result.reward >= 1.0), **fractions})
         if result.error:
             traj.limits["grade_error"] = result.error[:500]
