@@ -240,3 +240,20 @@ def test_every_rl_option_of_atelier_train_is_an_rl_option_of_atelier_run(tmp_pat
     assert train.loggers == ["tensorboard"] and train.rollout.retry_backoff_s == 0.5
     assert train.curriculum.window == 3 and train.trainer.steps == 1 and train.seed == 7
 
+
+
+def test_every_sft_option_reaches_the_sft_phase(tmp_path: Path) -> None:
+    """[sft] reaches `atelier pretrain`'s config whole, precision included (bf16 halves its time here)."""
+    from atelier.pipeline.config import SftStage
+    from atelier.pipeline.stages import sft_pretrain_config
+
+    path = tmp_path / "r.toml"
+    path.write_text(RECIPE.replace('version = ""\n', ""))
+    config = load_config(RunConfig, path, ["sft.precision=bf16", "sft.steps=5", "sft.lr=3e-5", "sft.grad_accum=2",
+                                           "sft.micro_batch=2", "sft.seq_len=512", "sft.warmup_steps=0", "seed=3"])
+    cfg = sft_pretrain_config(config, model="m", trajectories="t")
+    phase = cfg.phases[0]
+    assert cfg.precision == "bf16" and cfg.seed == 3 and cfg.model == "m" and phase.trajectories == ["t"]
+    assert (phase.steps, phase.lr, phase.grad_accum, phase.micro_batch, phase.seq_len, phase.warmup_steps) == \
+        (5, 3e-5, 2, 2, 512, 0)
+    assert set(SftStage.model_fields) - {"enabled"} <= set(phase.model_fields) | {"precision"}

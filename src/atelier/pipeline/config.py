@@ -81,6 +81,9 @@ class SftStage(AtelierConfig):
     grad_accum: int = Field(1, ge=1)
     lr: float = Field(5e-5, gt=0)
     warmup_steps: int = Field(1, ge=0)
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """bf16: bf16 compute with fp32 master weights (as `rl.trainer.precision`); auto: bf16 on a
+    GPU that has it, fp32 on the CPU."""
 
 
 class RlStage(RlOptions):

@@ -311,7 +311,6 @@ class _Context:
         return {"dir": str(out / "trajectories"), "kept": kept, "replayed": len(tasks)}
 
     def stage_sft(self) -> dict[str, Any]:
-        from atelier.pretrain.config import PhaseConfig, PretrainConfig
         from atelier.pretrain.train import run_pretrain
 
         base = self.output("model", "path")
@@ -320,11 +319,7 @@ class _Context:
             reason = "disabled" if not s.enabled else "no gold replay scored 1"
             self.say(f"  sft skipped: {reason}")
             return {"model": base, "skipped": reason}
-        phase = PhaseConfig(name="sft", kind="sft", steps=s.steps, seq_len=s.seq_len, micro_batch=s.micro_batch,
-                            grad_accum=s.grad_accum, lr=s.lr, warmup_steps=s.warmup_steps,
-                            trajectories=[self.output("sft-data", "dir")])
-        cfg = PretrainConfig(model=base, phases=[phase], seed=self.config.seed, device="cpu",
-                             checkpoint_every=max(1, s.steps), threads=self.config.threads)
+        cfg = sft_pretrain_config(self.config, model=base, trajectories=self.output("sft-data", "dir"))
         out = self.run_dir / "sft"
         result = run_pretrain(cfg, out, resume=(out / "config.toml").exists(), quiet=False)
         losses = result.losses
@@ -375,6 +370,18 @@ class _Context:
                 "pass_rate_before": ev["before"]["pass_rate"], "pass_rate_after_sft": ev["after_sft"]["pass_rate"],
                 "pass_rate_after_rl": ev["after_rl"]["pass_rate"],
                 "headline_p_value": summary["headline"].get("p_value")}
+
+
+def sft_pretrain_config(config: RunConfig, *, model: str, trajectories: str):
+    """The `PretrainConfig` of the sft stage: one SFT phase on the kept gold replays, every
+    [sft] option as written, on the CPU with the run's seed and threads."""
+    from atelier.pretrain.config import PhaseConfig, PretrainConfig
+
+    s = config.sft
+    phase = PhaseConfig(name="sft", kind="sft", steps=s.steps, seq_len=s.seq_len, micro_batch=s.micro_batch,
+                        grad_accum=s.grad_accum, lr=s.lr, warmup_steps=s.warmup_steps, trajectories=[trajectories])
+    return PretrainConfig(model=model, phases=[phase], seed=config.seed, device="cpu",
+                          checkpoint_every=max(1, s.steps), threads=config.threads, precision=s.precision)
 
 
 def rl_train_config(config: RunConfig, *, model: str, env: Any):
