@@ -195,7 +195,7 @@ class BwrapSandbox(Sandbox):
     # -- lifecycle -------------------------------------------------------
     def _bwrap_argv(self) -> list[str]:
         cfg = self.config
-        stage = Stage(self._host_id)
+        stage = self._stage = Stage(self._host_id)
         size = str(cfg.disk_mb * MiB)
         argv = ["bwrap", "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
                 "--unshare-cgroup-try", "--uid", "0", "--gid", "0",
@@ -257,13 +257,17 @@ class BwrapSandbox(Sandbox):
         if self.config.network == "proxy":
             sock = runtime_dir() / f"egress-{self.name[-8:]}.sock"
             self._proxy = egress.EgressProxy(self.config.egress, sock, self.name)
-        self._proc = subprocess.Popen(
-            self._bwrap_argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        argv = self._bwrap_argv()
+        self._proc = self._stage.spawn(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, env={"PATH": os.environ.get("PATH", SANDBOX_PATH)},
             start_new_session=True,
         )
         assert self._proc.stdout is not None
-        line = self._proc.stdout.readline().decode().split()
+        try:
+            line = self._proc.stdout.readline().decode().split()
+        finally:
+            self._stage.release()  # bwrap has made its own mounts, or failed
         if not line or line[0] != "ready":
             self._proc.kill()
             err = self._proc.communicate()[1].decode(errors="replace").strip()

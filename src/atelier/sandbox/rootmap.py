@@ -27,14 +27,12 @@ import contextlib
 import ctypes
 import os
 import shutil
-import sys
+import subprocess
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from atelier.sandbox.base import SandboxUnavailable
-from atelier.sandbox.stager import STAGE_DIR
-
-STAGER = str(Path(__file__).with_name("stager.py"))
+from atelier.sandbox.stager import STAGE_DIR, StageError, stager
 
 
 def running_as_root() -> bool:
@@ -58,12 +56,19 @@ class Stage:
     """Sources for bwrap (started by root) that the unprivileged id can reach.
 
     `source(path)` returns the path bwrap should bind from; `launch(argv)`
-    returns the argv that stages them and then execs bwrap as that id. With
-    `host_id=None` (not root) both are the identity."""
+    returns the argv that drops to that id and execs bwrap; `spawn` starts
+    it from the staging namespace and `release` detaches the staged mounts
+    once bwrap has made its own (see `stager`). With `host_id=None` (not
+    root) `source` and `launch` are the identity and `spawn` a plain Popen."""
 
     def __init__(self, host_id: int | None) -> None:
         self.host_id = host_id
         self._items: list[tuple[str, tuple[int, int] | None]] = []
+        self._top: str | None = None
+        self._copy_from_end: int | None = None
+        # The directory under STAGE_DIR is named by the stager; argv holds a
+        # placeholder until then.
+        self._mark = f"{STAGE_DIR}/.stage-{id(self)}"
 
     def source(self, path: str | os.PathLike, *, idmap: bool = False) -> str:
         """Where bwrap finds `path`. With `idmap`, the files of `path`'s owner
@@ -76,19 +81,41 @@ class Stage:
             st = os.stat(path)
             owner = (st.st_uid, st.st_gid)
         self._items.append((path, owner))
-        return f"{STAGE_DIR}/{len(self._items) - 1}"
+        return f"{self._mark}/{len(self._items) - 1}"
 
     def launch(self, argv: list[str], copy_index: int | None = None) -> list[str]:
+        """`argv` as the unprivileged id; `argv[copy_index]` becomes `copy`
+        where an idmapped mount is refused."""
         if self.host_id is None:
             return argv
         program = shutil.which(argv[0])
         if program is None:
             raise SandboxUnavailable(f"{argv[0]} not found on PATH")
-        out = [sys.executable, "-I", "-S", STAGER, str(self.host_id), str(self.host_id),
-               str(-1 if copy_index is None else copy_index), str(len(self._items))]
-        for source, owner in self._items:
-            out += [source, *(map(str, owner) if owner else ("-", "-"))]
-        return [*out, "--", program, *argv[1:]]
+        drop = ["setpriv", f"--reuid={self.host_id}", f"--regid={self.host_id}", "--clear-groups", "--"]
+        # Counted from the end: wrappers (the cgroup's) only prepend.
+        self._copy_from_end = None if copy_index is None else len(argv) - copy_index
+        return [*drop, program, *argv[1:]]
+
+    def spawn(self, argv: list[str], **popen: Any) -> subprocess.Popen:
+        if self.host_id is None:
+            return subprocess.Popen(argv, **popen)
+        st = stager()
+        try:
+            self._top, mapped_all = st.stage(self._items, self.host_id)
+        except (StageError, OSError) as exc:
+            raise SandboxUnavailable(f"cannot stage the sandbox's mounts for uid {self.host_id}: {exc}",
+                                     hint="root's sandboxes need mount namespaces and open_tree "
+                                     "(Linux >= 5.2)") from exc
+        argv = [a.replace(self._mark, self._top) for a in argv]
+        if not mapped_all and self._copy_from_end is not None:
+            argv[len(argv) - self._copy_from_end] = "copy"
+        return st.spawn(argv, **popen)
+
+    def release(self) -> None:
+        """Detach the staged mounts (bwrap holds its own once it is ready)."""
+        if self._top is not None:
+            top, self._top = self._top, None
+            stager().release(top)
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
