@@ -1,6 +1,15 @@
 """Router replay: how far the trainer's logprobs are from the sampler's, with and without replay.
 
-    python experiments/router_replay/run.py --out runs/router-replay [--smoke]
+    python experiments/router_replay/run.py --out runs/router-replay [--smoke] [--part offline|rl|all]
+
+Two parts. "rl": `atelier train`'s own loop (`run_training` on
+recipes/rl-tiny-moe.toml: the toy task, the built-in engine recording routes,
+the fp32 trainer) in six arms, replay off and on for each of three samplers:
+fp32 sync, bf16 sync, bf16 async (staleness up to 1). Per step: reward,
+mean and max |log pi - log mu|, k1 = mean(log mu - log pi), the fraction of
+tokens whose importance weight is truncated, and the routing flip rate (token
+x layer rows where the trainer's forward used other experts than the
+sampler's; 0 by construction with replay). "offline" (below):
 
 A tiny Mixtral (the "tiny-moe" shape) is first trained briefly on Python
 source so that its routers have preferences (a random router is nearly
@@ -20,9 +29,7 @@ the sampler's), mean and max |log pi - log mu|, k1 = mean(log mu - log pi),
 and the fraction of tokens whose importance weight pi/mu exceeds 2 (what
 truncated importance sampling clips). Writes results.json.
 
-Not measured here: reward curves of RL with replay on and off. The built-in
-engine does not yet return the experts it chose, so `atelier train` cannot
-replay them (trainer.router_replay needs Sample.routes).
+Writes results.json and router_replay.png.
 """
 
 from __future__ import annotations
@@ -47,7 +54,81 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--part", choices=("offline", "rl", "all"), default="all")
+    p.add_argument("--rl-steps", type=int, default=30)
     return p.parse_args(argv)
+
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "rl-tiny-moe.toml"
+# arm -> (sampler dtype, rollout mode, replay)
+ARMS = {f"{dt}-{mode}-{'replay' if rep else 'free'}": (dt, mode, rep)
+        for dt, mode in (("float32", "sync"), ("bfloat16", "sync"), ("bfloat16", "async")) for rep in (False, True)}
+
+
+def rl_arm(out: Path, dtype: str, mode: str, replay: bool, steps: int, seed: int) -> dict[str, Any]:
+    """One `run_training` of the tiny-MoE toy recipe; per-step curves from its metrics.jsonl."""
+    from atelier.config import load_config
+    from atelier.rl.config import TrainConfig
+    from atelier.rl.run import run_training
+
+    config = load_config(TrainConfig, RECIPE, [
+        f"trainer.steps={steps}", f"seed={seed}", f"rollout.dtype={dtype}", f"rollout.mode={mode}",
+        f"trainer.router_replay={'true' if replay else 'false'}",
+        "trainer.moe_precision=bf16"])   # the trainer's experts in its own fp32: only the sampler differs
+    if not (out / "metrics.jsonl").exists():
+        run_training(config, out)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    curve = {k: [r.get(k) for r in rows] for k in
+             ("reward_mean", "sampler_mismatch", "sampler_mismatch_max", "sampler_k1", "is_truncated_frac",
+              "is_ratio_max", "routes_match_frac", "expert_imbalance", "staleness_max")}
+    curve["routing_flip_frac"] = [1.0 - m for m in curve.pop("routes_match_frac")]
+    last = max(1, min(5, len(rows)))
+    tokens = [r["train_tokens"] for r in rows]
+    wmean = lambda xs: sum(x * t for x, t in zip(xs, tokens)) / max(1.0, sum(tokens))  # noqa: E731
+    summary = {"reward_first": curve["reward_mean"][0], "reward_final": sum(curve["reward_mean"][-last:]) / last,
+               "mismatch_abs_mean": wmean(curve["sampler_mismatch"]),
+               "mismatch_abs_max": max(curve["sampler_mismatch_max"]),
+               "mismatch_k1": wmean(curve["sampler_k1"]),
+               "is_truncated_frac": wmean(curve["is_truncated_frac"]),
+               "is_ratio_max": max(curve["is_ratio_max"]),
+               "routing_flip_frac": sum(curve["routing_flip_frac"]) / len(rows)}
+    return {"sampler_dtype": dtype, "mode": mode, "replay": replay, "steps": len(rows), "curves": curve,
+            "summary": summary}
+
+
+def run_rl(out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    arms = {}
+    for name, (dtype, mode, replay) in ARMS.items():
+        if args.smoke and mode == "async":
+            continue
+        arms[name] = rl_arm(out / "rl" / name, dtype, mode, replay, args.rl_steps, args.seed)
+        print(name, json.dumps(arms[name]["summary"]), flush=True)
+    return arms
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    panels = [("reward_mean", "reward (mean of 16 samples)"), ("sampler_mismatch", "mean |log pi - log mu|"),
+              ("sampler_mismatch_max", "max |log pi - log mu|"), ("routing_flip_frac", "routing flips (token x layer)")]
+    colors = {"float32-sync": "tab:blue", "bfloat16-sync": "tab:orange", "bfloat16-async": "tab:red"}
+    for ax, (key, title) in zip(axes.flat, panels):
+        for name, arm in results["rl"].items():
+            ys = arm["curves"][key]
+            base = name.rsplit("-", 1)[0]
+            ax.plot(range(1, len(ys) + 1), ys, color=colors.get(base), linestyle="-" if arm["replay"] else "--",
+                    label=f"{base}, {'replay' if arm['replay'] else 'no replay'}")
+        ax.set(title=title, xlabel="RL step")
+        if key != "reward_mean":
+            ax.set_yscale("symlog", linthresh=1e-4)
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle("tiny-moe on the toy task: router replay on (solid) and off (dashed); trainer fp32")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def pretrain(model, tokens: torch.Tensor, steps: int, lr: float, seed: int) -> list[float]:
@@ -120,11 +201,8 @@ def measure(trainer, sampled, n_new: int) -> dict[str, Any]:
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    if args.smoke:
-        args.pretrain_steps, args.sequences, args.new_tokens = 3, 2, 8
-    torch.set_num_threads(args.threads)
+def run_offline(args: argparse.Namespace) -> dict[str, Any]:
+    """The pretrained-router measurement (see the module docstring)."""
     import importlib.util
 
     from transformers import AutoModelForCausalLM
@@ -138,8 +216,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     spec.loader.exec_module(mp)
     TRAIN_MODULES, HELDOUT_MODULES, corpus_tokens = mp.TRAIN_MODULES, mp.HELDOUT_MODULES, mp.corpus_tokens
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer()
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(tiny_moe_config(len(tok)))
@@ -155,8 +231,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     trainer = AutoModelForCausalLM.from_config(tiny_moe_config(len(tok))).eval()
     # the sampler's weights, in fp32 (what the trainer holds when it published them as bf16)
     trainer.load_state_dict({k: v.bfloat16().float() for k, v in state.items()})
-    results: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k != "out"},
-                               "pretrain_loss_first_last": [losses[0], losses[-1]]}
+    results: dict[str, Any] = {"pretrain_loss_first_last": [losses[0], losses[-1]]}
     results["same_weights"] = measure(trainer, sampled, args.new_tokens)
     trainer.train()
     opt = torch.optim.Adam(trainer.parameters(), lr=args.step_lr)
@@ -165,8 +240,26 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     opt.step()
     trainer.eval()
     results["one_step_later"] = measure(trainer, sampled, args.new_tokens)
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    print(json.dumps({k: results[k] for k in ("same_weights", "one_step_later")}, indent=1))
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.smoke:
+        args.pretrain_steps, args.sequences, args.new_tokens, args.rl_steps = 3, 2, 8, 2
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.json"
+    results: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    results["settings"] = {k: v for k, v in vars(args).items() if k != "out"}
+    if args.part in ("offline", "all"):
+        results.update(run_offline(args))
+    if args.part in ("rl", "all"):
+        results["rl"] = run_rl(out, args)
+        plot(results, out / "router_replay.png")
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    print(json.dumps({k: results[k] for k in ("same_weights", "one_step_later") if k in results}, indent=1))
     return results
 
 
