@@ -158,12 +158,17 @@ def test_todo_write_keeps_state_and_submit_ends(call, ctx):
     assert done.value.message == "all done"
 
 
-def test_run_terminal_says_a_command_ran_out_of_memory(repo, bwrap_ready):
+@pytest.mark.parametrize("cgroups_writable", [True, False])
+def test_run_terminal_says_a_command_ran_out_of_memory(repo, bwrap_ready, monkeypatch, cgroups_writable):
     """An agent's command killed for passing the memory limit is a tool result
-    the agent reads (its own doing), not an infrastructure failure."""
+    the agent reads (its own doing), not an infrastructure failure; without
+    a memory cgroup (an ordinary user's case) the failed allocation gets a
+    hint."""
     from atelier.harness.tools import ToolContext
-    from atelier.sandbox import SandboxConfig, create_sandbox
+    from atelier.sandbox import SandboxConfig, cgroups, create_sandbox
 
+    if not cgroups_writable:
+        monkeypatch.setattr(cgroups, "_candidate_parents", lambda controller: [])
     with create_sandbox(repo, SandboxConfig(memory_mb=128, timeout_s=30)) as sb:
         cgroup = getattr(sb, "_cgroup", None)
         out = call_tool(default_tools(), ToolContext(sb), "run_terminal",
@@ -171,7 +176,9 @@ def test_run_terminal_says_a_command_ran_out_of_memory(repo, bwrap_ready):
         if cgroup is not None and cgroup.limits_memory:
             assert out.output.startswith("exit code: 137 (a process was killed for passing the "
                                          "sandbox's memory limit of 128 MiB)"), out.output
-        else:  # RLIMIT_AS only: the process's own MemoryError is what there is to see
-            assert out.output.startswith("exit code: 1\n") and "MemoryError" in out.output
+        else:  # RLIMIT_AS for one process: its own MemoryError, and a hint why
+            assert out.output.startswith("exit code: 1 (an allocation may have failed: each process may "
+                                         "use at most 128 MiB of address space)\n"), out.output
+            assert "MemoryError" in out.output
         assert call_tool(default_tools(), ToolContext(sb), "run_terminal",
                          {"command": "echo fine"}).output == "exit code: 0\nfine"

@@ -13,7 +13,7 @@ from typing import Iterator
 
 import pytest
 
-from atelier.sandbox.memory import over_limit
+from atelier.sandbox.memory import allocation_failed, over_limit
 
 pytestmark = [pytest.mark.usefixtures("bwrap_ready"), pytest.mark.timeout(120)]
 
@@ -59,6 +59,13 @@ def test_the_largest_process_goes_once_the_sum_passes() -> None:
     assert over_limit({1: 100 * mib, 2: 100 * mib}, 256 * mib) is None
     assert over_limit({1: 100 * mib, 2: 120 * mib, 3: 90 * mib}, 256 * mib) == 2
     assert over_limit({}, 0) is None
+
+
+def test_failed_allocations_are_recognised_for_the_agents_hint() -> None:
+    assert allocation_failed(1, "Traceback ...\nMemoryError\n")
+    assert allocation_failed(134, "terminate called after throwing an instance of 'std::bad_alloc'")
+    assert not allocation_failed(0, "MemoryError")
+    assert not allocation_failed(1, "AssertionError: 2 != 3")
 
 
 def test_watchdog_bounds_an_ordinary_users_sandbox(nobody, work: Path) -> None:

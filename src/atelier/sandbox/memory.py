@@ -21,7 +21,9 @@ first that works here is used (`SandboxConfig.memory_mb` is the limit):
    process of each sandbox every `INTERVAL_S`; past `memory_mb` it kills the
    largest one (SIGKILL, as the kernel's OOM killer would) and counts the
    kill. Many processes together can pass the limit only by what they
-   allocate within one interval before the kill.
+   allocate within one interval before the kill. A sandbox that runs no
+   command and holds no process of its own (a warm pool's) costs nothing:
+   nothing in it can grow until a command starts.
 
 Either way `ExecResult.oom_killed` says a process of the sandbox was killed
 for memory while the command ran (a count compared before and after). The
@@ -97,6 +99,18 @@ def over_limit(usage: dict[int, int], limit: int) -> int | None:
     return max(usage, key=lambda pid: usage[pid])
 
 
+_ALLOCATION_FAILED = ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "out of memory",
+                      "Out of memory", "memory allocation of")
+
+
+def allocation_failed(exit_code: int, stderr: str) -> bool:
+    """Whether a failed command's error output reads like an allocation that
+    failed under RLIMIT_AS (Python, libc's ENOMEM, C++, Rust): a hint to show
+    the agent where no kill is counted. The program wrote it, so it is
+    never taken as proof of anything."""
+    return exit_code != 0 and any(p in stderr for p in _ALLOCATION_FAILED)
+
+
 class Watch:
     """The watchdog's view of one sandbox: its root processes (the sandbox's
     init, each running command's top process) and the kills made so far."""
@@ -105,11 +119,16 @@ class Watch:
         self.limit_bytes = limit_bytes
         self.kills = 0
         self._roots = set(roots)
+        self._base = frozenset(self._roots)
+        # Idle: no command runs and the sandbox holds nothing but its holder,
+        # so nothing in it can grow until the next command: not walked.
+        self.active = True
         self._lock = threading.Lock()
 
     def add_root(self, pid: int) -> None:
         with self._lock:
             self._roots.add(pid)
+            self.active = True
 
     def discard_root(self, pid: int) -> None:
         with self._lock:
@@ -118,8 +137,14 @@ class Watch:
     def check(self) -> None:
         """One pass: kill the largest process while the sandbox is over its limit."""
         with self._lock:
-            roots = list(self._roots)
-        usage = {pid: anon_bytes(pid) for pid in tree(roots) if pid not in roots}
+            if not self.active:
+                return
+            roots = set(self._roots)
+        procs = [pid for pid in tree(roots) if pid not in roots]
+        with self._lock:
+            if self._roots == self._base and len(procs) <= 1:  # the holder alone
+                self.active = False
+        usage = {pid: anon_bytes(pid) for pid in procs}
         while (victim := over_limit(usage, self.limit_bytes)) is not None:
             self.kills += 1  # before the kill: a command that dies of it must see the count
             log.info("sandbox memory watchdog: killing pid %d (%d MiB resident) past %d MiB",

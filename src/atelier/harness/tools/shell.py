@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from atelier.harness.errors import Submitted, ToolError
 from atelier.harness.tools import Tool, ToolContext, cap, obj
+from atelier.sandbox.memory import allocation_failed
 
 # Bytecode caches would show up in the final diff as binary files.
 QUIET_ENV = {"PYTHONDONTWRITEBYTECODE": "1"}
@@ -26,6 +27,10 @@ def run_terminal(ctx: ToolContext, command: str, timeout: int | float | None = N
         # The agent's own command used too much memory: its doing, shown to it, not an infra failure.
         parts[0] = (f"exit code: {res.exit_code} (a process was killed for passing the sandbox's "
                     f"memory limit of {ctx.sandbox.config.memory_mb} MiB)")
+    elif ctx.sandbox.memory_enforcement != "cgroup" and allocation_failed(res.exit_code, res.stderr):
+        # Without a memory cgroup one process's limit is its address space: say so.
+        parts[0] = (f"exit code: {res.exit_code} (an allocation may have failed: each process may "
+                    f"use at most {ctx.sandbox.config.memory_mb} MiB of address space)")
     if out:
         parts.append(out.rstrip("\n"))
     if err:
