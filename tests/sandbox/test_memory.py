@@ -81,6 +81,7 @@ def test_watchdog_bounds_an_ordinary_users_sandbox(nobody, work: Path) -> None:
     assert out["FINE"] == ["False", str(100 * 1024**2)] and out["ALIVE"] == ["ok"], res.stdout
 
 
+@pytest.mark.slow
 def test_delegated_cgroup_bounds_an_ordinary_users_sandbox(nobody, work: Path) -> None:
     """A user whose own memory cgroup is delegated to it (here a v1 cgroup
     owned by `nobody`, which the process is started in) gets per-sandbox

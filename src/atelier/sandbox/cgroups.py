@@ -3,9 +3,11 @@
 Root can always write one. An ordinary user can where its own cgroup is
 delegated to it (see `atelier.sandbox.memory` for the order of fallbacks):
 under cgroup v2 a cgroup that holds processes cannot enable controllers for
-its children, so atelier moves the processes of its own (writable) cgroup
-into a leaf child, `LEAF`, once, and then enables `pids` and `memory` for
-the sandboxes' cgroups beside it. Elsewhere (the common case for a user)
+its children, so where atelier's own cgroup is writable and delegated
+(systemd's `Delegate=yes`, or a container's cgroup namespace root), atelier
+moves its processes into a leaf child, `LEAF`, once, and then enables
+`pids` and `memory` for the sandboxes' cgroups beside it. A writable cgroup
+of a unit systemd manages without delegation is left alone. Elsewhere (the common case for a user)
 nothing is created and the watchdog bounds memory. RLIMIT_NPROC already
 counts the processes of each sandbox's own user namespace, for root too (its
 sandboxes run as an unprivileged uid, see `rootmap`), so a fork bomb stops at
@@ -24,6 +26,7 @@ of the sandbox while the command ran, its own or a background process's).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shlex
@@ -71,6 +74,22 @@ def _candidate_parents(controller: str) -> list[Path]:
     return [p for p in out if _writable(p)]
 
 
+def _delegated(d: Path) -> bool:
+    """Whether the v2 cgroup `d` is handed to us to arrange: systemd marks
+    a unit started with `Delegate=yes` (xattr `trusted.delegate` or, under
+    a user's manager, `user.delegate`); the root of a cgroup namespace (a
+    container's) is the tenant's."""
+    if d == ROOT:
+        return True
+    for name in ("trusted.delegate", "user.delegate"):
+        try:
+            if os.getxattr(d, name).strip(b"\0") in (b"1", b"yes", b"true"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def _enable_for_children(d: Path, controller: str) -> bool:
     """Make `controller` available to new children of the v2 cgroup `d`:
     already so, or move every process of `d` into `d/LEAF` and enable it."""
@@ -79,7 +98,15 @@ def _enable_for_children(d: Path, controller: str) -> bool:
             return True
         if controller not in (d / "cgroup.controllers").read_text().split():
             return False  # not delegated to us
+        if not _delegated(d):
+            return False  # a unit systemd manages: its processes are not ours to move
         with _leaf_lock:
+            try:  # the true root, or a cgroup without processes, needs no move
+                (d / "cgroup.subtree_control").write_text(f"+{controller}")
+                return True
+            except OSError as exc:
+                if exc.errno != errno.EBUSY:
+                    raise
             leaf = d / LEAF
             leaf.mkdir(exist_ok=True)
             # Repeat: a process may fork while we move the others.

@@ -7,12 +7,11 @@ first that works here is used (`SandboxConfig.memory_mb` is the limit):
    kernel bounds the whole sandbox and kills a process past it, counted in
    the cgroup's `oom_kill`; no per-process limit. Root can always make one.
    An ordinary user can where its own cgroup is delegated to it: cgroup v2
-   under systemd's user manager (e.g. started through `systemd-run --user
-   --scope -p Delegate=yes atelier ...`, or from a terminal that systemd
-   places under `user@UID.service`), or a v1 memory hierarchy whose cgroup
-   it owns. Under v2, atelier then moves the processes of its own cgroup into
-   a leaf child once, since v2 lets only a cgroup without processes hand
-   controllers to its children.
+   under systemd's user manager (started through `systemd-run --user
+   --scope -p Delegate=yes atelier ...`), a container's cgroup namespace, or
+   a v1 memory hierarchy whose cgroup it owns. Under v2, atelier then moves
+   the processes of its own cgroup into a leaf child once, since v2 lets
+   only a cgroup without processes hand controllers to its children.
 2. ``watchdog``: no writable memory cgroup (an ordinary user on most
    machines, root in some containers). Each process gets the address-space
    limit `memory_mb` (RLIMIT_AS: a single process cannot pass it; its
