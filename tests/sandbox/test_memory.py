@@ -13,7 +13,7 @@ from typing import Iterator
 
 import pytest
 
-from atelier.sandbox.memory import allocation_failed, over_limit
+from atelier.sandbox.memory import allocation_failed, attribute_kill, host_oom_kills, over_limit
 
 pytestmark = [pytest.mark.usefixtures("bwrap_ready"), pytest.mark.timeout(120)]
 
@@ -59,6 +59,20 @@ def test_the_largest_process_goes_once_the_sum_passes() -> None:
     assert over_limit({1: 100 * mib, 2: 100 * mib}, 256 * mib) is None
     assert over_limit({1: 100 * mib, 2: 120 * mib, 3: 90 * mib}, 256 * mib) == 2
     assert over_limit({}, 0) is None
+
+
+def test_kills_are_told_apart_the_sandboxs_limit_from_the_hosts_shortage() -> None:
+    # A memory cgroup: a kill with a hit of the limit is the sandbox's; without, the host's.
+    assert attribute_kill(137, (0, 1), (3, 4), (10, 11)) == "sandbox"
+    assert attribute_kill(137, (0, 1), (3, 3), (10, 11)) == "host"
+    assert attribute_kill(137, (0, 0), (3, 3), (10, 11)) is None  # another cgroup's kill: not ours
+    # The watchdog: its kills are the sandbox's; a SIGKILL while the host's count rose, the host's.
+    assert attribute_kill(137, (0, 1), None, (10, 10)) == "sandbox"
+    assert attribute_kill(137, (0, 0), None, (10, 11)) == "host"
+    assert attribute_kill(137, (0, 0), None, (10, 10)) is None  # a plain kill -9
+    assert attribute_kill(1, (0, 0), None, (10, 11)) is None
+    assert attribute_kill(137, (None, None), None, (None, None)) is None
+    assert host_oom_kills() is None or host_oom_kills() >= 0
 
 
 def test_failed_allocations_are_recognised_for_the_agents_hint() -> None:

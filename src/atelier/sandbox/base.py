@@ -152,6 +152,10 @@ class ExecResult:
     """A process of the sandbox was killed for passing its memory limit
     while this command ran (by the kernel in its memory cgroup, or by the
     memory watchdog; never reported by the local backend)."""
+    host_oom_killed: bool = False
+    """A process of the sandbox was killed by the host's OOM killer (the host
+    short of memory, not the sandbox past its limit) while this command ran:
+    not the command's doing (see `memory.attribute_kill`)."""
 
     @property
     def ok(self) -> bool:

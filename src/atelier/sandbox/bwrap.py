@@ -386,7 +386,14 @@ class BwrapSandbox(Sandbox):
         run_env = {"PATH": SANDBOX_PATH, "HOME": "/tmp", "LANG": "C.UTF-8", "TERM": "dumb",
                    "TMPDIR": "/tmp", **proxy, **cfg.env, **(env or {})}
         watch = self._watch
-        kills_before = self._cgroup.oom_kills() if cgroup_memory else watch.kills if watch else None
+
+        def counts() -> tuple[int | None, int | None, int | None]:
+            kills, hits = self._cgroup.oom_counts() if cgroup_memory else (watch.kills if watch else None, None)
+            return kills, hits, memory.host_oom_kills()
+
+        if cgroup_memory:
+            self._cgroup.reset_peak()
+        before = counts()
         started: list[int] = []
 
         def on_start(pid: int) -> None:
@@ -401,9 +408,11 @@ class BwrapSandbox(Sandbox):
         finally:
             if watch is not None and started:
                 watch.discard_root(started[0])
-        kills_after = self._cgroup.oom_kills() if cgroup_memory else watch.kills if watch else None
-        if kills_before is not None and (kills_after or 0) > kills_before:
-            res = dataclasses.replace(res, oom_killed=True)
+        after = counts()
+        who = memory.attribute_kill(res.exit_code, (before[0], after[0]),
+                                    (before[1], after[1]) if cgroup_memory else None, (before[2], after[2]))
+        if who is not None:
+            res = dataclasses.replace(res, oom_killed=who == "sandbox", host_oom_killed=who == "host")
         return res
 
     # -- files -----------------------------------------------------------

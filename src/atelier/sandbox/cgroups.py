@@ -175,18 +175,40 @@ class SandboxCgroup:
         return None
 
     def oom_kills(self) -> int | None:
-        """Processes of the sandbox the kernel's OOM killer has killed so far;
-        None without a memory cgroup (or a kernel older than 4.13, which does
-        not count them)."""
+        """Processes of the sandbox the kernel's OOM killer has killed so far
+        (for the sandbox's limit or the host's shortage alike); None without
+        a memory cgroup (or a kernel older than 4.13, which does not count
+        them)."""
+        return self.oom_counts()[0]
+
+    def oom_counts(self) -> tuple[int | None, int | None]:
+        """(OOM kills, times the sandbox's limit was hit): v2's `oom_kill`
+        and `oom` of memory.events; v1's `oom_kill`, and 1 where the peak
+        since `reset_peak` reached the limit, else 0. A kill without a hit
+        was the host's OOM killer's, not the limit's."""
         d = self._memory_dir()
         if d is None:
-            return None
-        name = "memory.events" if (d / "memory.events").exists() else "memory.oom_control"
+            return None, None
         try:
-            text = (d / name).read_text()
-        except OSError:
-            return None
-        return parse_oom_kills(text)
+            if (d / "memory.events").exists():
+                text = (d / "memory.events").read_text()
+                return parse_oom_kills(text), parse_count(text, "oom")
+            kills = parse_oom_kills((d / "memory.oom_control").read_text())
+            # v1's failcnt stays 0 on recent kernels; its peak (reset by
+            # `reset_peak` before each command) tells whether the limit was reached.
+            peak = int((d / "memory.max_usage_in_bytes").read_text())
+            return kills, int(peak >= int((d / "memory.limit_in_bytes").read_text()))
+        except (OSError, ValueError):
+            return None, None
+
+    def reset_peak(self) -> None:
+        """Start v1's peak usage afresh (before a command; see `oom_counts`)."""
+        d = self._memory_dir()
+        if d is not None and (d / "memory.max_usage_in_bytes").exists():
+            try:
+                (d / "memory.max_usage_in_bytes").write_text("0")
+            except OSError:
+                pass
 
     def wrap(self, argv: list[str]) -> list[str]:
         if not self.dirs:
@@ -212,9 +234,14 @@ class SandboxCgroup:
 
 def parse_oom_kills(text: str) -> int | None:
     """The `oom_kill` count of a `memory.events` or `memory.oom_control` file."""
+    return parse_count(text, "oom_kill")
+
+
+def parse_count(text: str, name: str) -> int | None:
+    """The count `name` of a flat-keyed cgroup file (`key value` lines)."""
     for line in text.splitlines():
         key, _, value = line.partition(" ")
-        if key == "oom_kill" and value.strip().isdigit():
+        if key == name and value.strip().isdigit():
             return int(value)
     return None
 

@@ -98,6 +98,47 @@ def over_limit(usage: dict[int, int], limit: int) -> int | None:
     return max(usage, key=lambda pid: usage[pid])
 
 
+def host_oom_kills() -> int | None:
+    """Processes the kernel's OOM killer has killed on this host since boot,
+    any cgroup's limit or the host's memory alike (`oom_kill` in
+    /proc/vmstat, Linux >= 4.13); None where it is not counted."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+Counts = tuple[int | None, int | None]
+"""A counter read before and after a command."""
+
+
+def _rose(counts: Counts | None) -> bool:
+    return counts is not None and None not in counts and counts[1] > counts[0]  # type: ignore[operator]
+
+
+def attribute_kill(exit_code: int, kills: Counts, limit_hits: Counts | None, host_kills: Counts) -> str | None:
+    """Who killed a process of the sandbox while a command ran: "sandbox"
+    (past its own limit: the code's doing), "host" (the host's OOM killer,
+    short of memory: not the code's doing) or None (no OOM kill).
+
+    `kills`: the sandbox's own count of OOM kills (a memory cgroup's, which
+    counts the host's kills of its processes too; the watchdog's, which
+    counts only its own); `limit_hits`: the cgroup's count of hits of its
+    limit (None for the watchdog, whose every kill is for the limit);
+    `host_kills`: the host's count (`host_oom_kills`), used only where the
+    sandbox's own count cannot see the host's kills (the watchdog): a
+    command that died of SIGKILL (exit 137) while it rose."""
+    if _rose(kills):
+        return "sandbox" if limit_hits is None or _rose(limit_hits) else "host"
+    if limit_hits is None and exit_code == 137 and _rose(host_kills):
+        return "host"
+    return None
+
+
 _ALLOCATION_FAILED = ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "out of memory",
                       "Out of memory", "memory allocation of")
 

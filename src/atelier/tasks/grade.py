@@ -82,6 +82,9 @@ task and limit for the process's life):
 - the reference is killed too: the limit is not the patch's doing (too low
   for the task, or the host short of memory): `SandboxOutOfMemory`, an
   infrastructure failure (`atelier.failures`), retried and never scored.
+- the host's OOM killer, not the sandbox's limit, killed it
+  (`ExecResult.host_oom_killed`, see `memory.attribute_kill`): the host was
+  short of memory, not the patch's doing: `SandboxOutOfMemory`, infra.
 - the patch is the reference itself (`atelier tasks validate` grading the
   gold): reward 0 with that error, so validation says the task's limit is
   too low.
@@ -326,6 +329,11 @@ def grade_in(sb: Sandbox, task: Task, patch: str, python: str | None, *,
     run = sb.exec(argv, timeout=timeout, env={"PYTHONDONTWRITEBYTECODE": "1"}, stdin=stdin,
                   on_output=collect)
     tail = run.stderr[-4000:]
+    if run.host_oom_killed:
+        raise SandboxOutOfMemory(
+            f"task {task.id}: the test run was killed by the host's OOM killer, not for the "
+            "sandbox's own limit: not the patch's doing; not scored",
+            hint="an infrastructure failure: retried; the host is short of memory")
     if run.oom_killed:
         is_reference = reference or patch.strip() == reference_patch(task).strip()
         if not is_reference and not reference_fits(sb, task, python):
