@@ -24,8 +24,10 @@ one of three classes, and each class has one rule:
     `out_of_memory`). Were it infra, a policy could dodge every negative
     reward by allocating until killed;
   - only where the limit cannot have been the patch's doing (the gold is
-    killed under it too; the trainer or engine ran out): infra,
-    `SandboxOutOfMemory`, `MemoryError`, torch's out-of-memory error.
+    killed under it too; the host's OOM killer, not the sandbox's limit,
+    killed the run, `ExecResult.host_oom_killed`; the trainer or engine ran
+    out): infra, `SandboxOutOfMemory`, `MemoryError`, torch's
+    out-of-memory error.
   `atelier.tasks.grade` applies the rule.
 - **malformed**: a model output the harness cannot read (`FormatError`) is
   not an exception at the batch edge at all: the model sees why, the call

@@ -109,7 +109,11 @@ class Stage:
         argv = [a.replace(self._mark, self._top) for a in argv]
         if not mapped_all and self._copy_from_end is not None:
             argv[len(argv) - self._copy_from_end] = "copy"
-        return st.spawn(argv, **popen)
+        try:
+            return st.spawn(argv, **popen)
+        except BaseException:
+            self.release()
+            raise
 
     def release(self) -> None:
         """Detach the staged mounts (bwrap holds its own once it is ready)."""
