@@ -91,6 +91,7 @@ import threading
 import uuid
 import weakref
 from pathlib import Path
+from typing import Any
 
 from atelier.sandbox import diff as diffs
 from atelier.sandbox import fsutil
@@ -385,7 +386,13 @@ class BwrapSandbox(Sandbox):
         proxy = egress.proxy_env(cfg.egress.port) if cfg.network == "proxy" else {}
         run_env = {"PATH": SANDBOX_PATH, "HOME": "/tmp", "LANG": "C.UTF-8", "TERM": "dumb",
                    "TMPDIR": "/tmp", **proxy, **cfg.env, **(env or {})}
-        watch = self._watch
+        return self._run_counting_kills(full, env=run_env, timeout=timeout or cfg.timeout_s,
+                                        output_limit=cfg.output_limit_bytes, stdin=stdin, on_output=on_output)
+
+    def _run_counting_kills(self, argv: list[str], **run: Any) -> ExecResult:
+        """`run_process`, and who killed a process of the sandbox for memory
+        meanwhile, if anyone did (`memory.attribute_kill`)."""
+        cgroup_memory, watch = self._cgroup.limits_memory, self._watch
 
         def counts() -> tuple[int | None, int | None, int | None]:
             kills, hits = self._cgroup.oom_counts() if cgroup_memory else (watch.kills if watch else None, None)
@@ -402,9 +409,7 @@ class BwrapSandbox(Sandbox):
                 watch.add_root(pid)  # the command's processes are its descendants
 
         try:
-            res = run_process(full, env=run_env, cwd=None, timeout=timeout or cfg.timeout_s,
-                              output_limit=cfg.output_limit_bytes, stdin=stdin, on_output=on_output,
-                              on_start=on_start)
+            res = run_process(argv, cwd=None, on_start=on_start, **run)
         finally:
             if watch is not None and started:
                 watch.discard_root(started[0])
