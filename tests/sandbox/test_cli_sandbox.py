@@ -63,6 +63,16 @@ def test_run_timeout_exits_124(repo: Path) -> None:
     assert "timed out" in res.stderr
 
 
+def test_run_says_a_process_was_killed_for_memory(repo: Path) -> None:
+    """Four processes of 120 MiB under --memory-mb 256: each fits the
+    per-process limit, together they pass the sandbox's, which holds as a
+    cgroup or through the watchdog alike."""
+    hog = "import time; b = bytearray(120 * 1024**2); time.sleep(5)"
+    res = run_cli("sandbox", "run", "-w", str(repo), "--memory-mb", "256", "--", "sh", "-c",
+                  f"for i in 1 2 3 4; do python3 -c '{hog}' & done; wait")
+    assert "killed for passing the sandbox's memory limit of 256 MiB (enforced by " in res.stderr, res.stderr
+
+
 def test_run_is_sealed_from_the_network_by_default(repo: Path) -> None:
     res = run_cli("sandbox", "run", "-w", str(repo), "--", "sh", "-c", "cat /proc/net/dev | tail -n +3")
     interfaces = [line.split(":")[0].strip() for line in res.stdout.splitlines()]

@@ -32,7 +32,10 @@ def run(
     command: List[str] = typer.Argument(..., help="The command and its arguments (after --)."),
     workspace: Path = typer.Option(..., "--workspace", "-w", help="Directory to run over; never changed."),
     timeout: float = typer.Option(60.0, "--timeout", help="Wall-clock limit in seconds (exit 124 past it)."),
-    memory_mb: int = typer.Option(2048, "--memory-mb", help="Address-space limit per process."),
+    memory_mb: int = typer.Option(2048, "--memory-mb",
+                                  help="Memory of the whole sandbox: a process past it is killed "
+                                       "(a memory cgroup where one is writable, else a watchdog "
+                                       "plus this address-space limit per process)."),
     network: Network = typer.Option(Network.none, "--network",
                                     help="none (sealed), proxy (only --allow pairs, through a logging "
                                          "HTTP(S) proxy) or host (explicit)."),
@@ -67,6 +70,12 @@ def run(
         result = sb.exec(list(command), on_output=stream)
         if result.timed_out:
             print(f"\natelier: command timed out after {timeout:g} s", file=sys.stderr)
+        if result.oom_killed:
+            print(f"\natelier: a process was killed for passing the sandbox's memory limit of "
+                  f"{memory_mb} MiB (enforced by {sb.memory_enforcement})", file=sys.stderr)
+        if result.host_oom_killed:
+            print("\natelier: the host's OOM killer killed a process of the sandbox (the host is "
+                  "short of memory)", file=sys.stderr)
         if result.truncated:
             print("\natelier: output was longer than the capture limit; the stream above is whole",
                   file=sys.stderr)
