@@ -93,9 +93,10 @@ def test_atomic_dir_removes_a_killed_writers_temporary(tmp_path: Path) -> None:
 
 def test_parse_crash_at() -> None:
     assert parse_crash_at("") is None and parse_crash_at("  ") is None
-    assert parse_crash_at("after_metrics") == ("after_metrics", 1)
-    assert parse_crash_at("after_metrics:3") == ("after_metrics", 3)
-    for bad in ("x:0", "x:-1", "x:two"):
+    assert parse_crash_at("after_metrics") == ("after_metrics", 1, None)
+    assert parse_crash_at("after_metrics:3") == ("after_metrics", 3, None)
+    assert parse_crash_at("trainer.after_backward:2@1") == ("trainer.after_backward", 2, 1)
+    for bad in ("x:0", "x:-1", "x:two", "x:1@", "x:1@one"):
         with pytest.raises(ValueError):
             parse_crash_at(bad)
 
@@ -115,9 +116,15 @@ print("done")
     ("here:3", "1\n2\n3\n", True),
     ("here", "1\n", True),
     ("elsewhere:1", "1\n2\n3\n4\n5\ndone\n", False),
+    ("here:2@0", "1\n2\n", True),            # no RANK: rank 0
+    ("here:2@1", "1\n2\n3\n4\n5\ndone\n", False),
+    ("here:2@1 RANK=1", "1\n2\n", True),
 ])
 def test_crash_point_kills_on_the_nth_visit_only(setting, printed, killed) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "ATELIER_CRASH_AT"}
+    env = {k: v for k, v in os.environ.items() if k not in ("ATELIER_CRASH_AT", "RANK")}
+    if setting and " RANK=" in setting:
+        setting, rank = setting.split(" RANK=")
+        env["RANK"] = rank
     if setting:
         env["ATELIER_CRASH_AT"] = setting
     res = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=60)

@@ -21,8 +21,11 @@ its commit point. The tools:
 - `crash_point(name)`: a named place where a test can kill the process.
   `ATELIER_CRASH_AT=name:n` sends SIGKILL to this process the n-th time the
   point is reached (n defaults to 1); unset, a crash point costs one dict
-  lookup. Tests crash at every point in turn and check that the resumed run
-  equals an uninterrupted one.
+  lookup. `name:n@r` kills only trainer rank r (the process whose RANK is r;
+  a process without RANK is rank 0), so a test can kill one rank of several
+  mid-step while the others run on into their next collective. Tests crash
+  at every point in turn and check that the resumed run equals an
+  uninterrupted one.
 """
 
 from __future__ import annotations
@@ -142,30 +145,33 @@ _UMASK = _read_umask()
 
 
 _hits: dict[str, int] = {}
-_target: tuple[str, int] | None | bool = False  # False: not read yet
+_target: tuple[str, int, int | None] | None | bool = False  # False: not read yet
 
 
 def crash_point(name: str) -> None:
-    """SIGKILL this process here if `ATELIER_CRASH_AT` names this point and
-    this is its n-th visit; otherwise do nothing."""
+    """SIGKILL this process here if `ATELIER_CRASH_AT` names this point (and this
+    process's rank, when it names one) and this is its n-th visit; otherwise do nothing."""
     global _target
     if _target is False:
         _target = parse_crash_at(os.environ.get(CRASH_ENV, ""))
     if _target is None or _target[0] != name:
+        return
+    if _target[2] is not None and _target[2] != int(os.environ.get("RANK", "0")):
         return
     _hits[name] = _hits.get(name, 0) + 1
     if _hits[name] == _target[1]:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def parse_crash_at(value: str) -> tuple[str, int] | None:
-    """`name` or `name:n` -> (name, n); empty -> None."""
+def parse_crash_at(value: str) -> tuple[str, int, int | None] | None:
+    """`name`, `name:n` or `name:n@rank` -> (name, n, rank or None); empty -> None."""
     value = value.strip()
     if not value:
         return None
+    value, at, rank = value.partition("@")
+    if at and not rank.isdigit():
+        raise ValueError(f"{CRASH_ENV}=...@{rank!r}: the rank must be a number")
     name, _, count = value.partition(":")
-    if not count:
-        return name, 1
-    if not count.isdigit() or int(count) < 1:
-        raise ValueError(f"{CRASH_ENV}={value!r}: expected name or name:n with n >= 1")
-    return name, int(count)
+    if count and (not count.isdigit() or int(count) < 1):
+        raise ValueError(f"{CRASH_ENV}={value!r}: expected name, name:n or name:n@rank with n >= 1")
+    return name, int(count) if count else 1, int(rank) if at else None
