@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from atelier import distributed as D
+from atelier.fsio import crash_point
 from atelier.rl.config import TrainerConfig
 from atelier.moe.metrics import sampler_mismatch
 from atelier.rl.loss import LossInputs, policy_loss
@@ -145,6 +146,7 @@ class Trainer:
                         mismatch_max = max(mismatch_max, mm["mismatch_abs_max"])
                         ratio_max = max(ratio_max, m["is_ratio_max"])
                         neg_ratio_min = max(neg_ratio_min, -m["is_ratio_min"])
+            crash_point("trainer.after_backward")   # mid-step: gradients reduced, no step taken
             grad_norm = D.clip_grad_norm(self.head.parameters(), self.cfg.max_grad_norm)
             self.optimizer.step()
             totals = dict(zip(METRIC_SUMS, D.all_reduce_sum([sums[k] for k in METRIC_SUMS], self.ranks)))
