@@ -55,3 +55,74 @@ def test_two_ranks_stopped_and_resumed_repeat_the_one_rank_run(tmp_path, tiny_mo
     for k, v in a.items():
         assert float((v - b[k]).norm() / v.norm()) < 1e-5, k
     assert any(not torch.equal(v, w) for v, w in zip(a.values(), load_file(tiny_model_dir / "model.safetensors").values()))
+
+
+def _run(*args: str, crash_at: str | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "ATELIER_CRASH_AT"}
+    env.update(OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    if crash_at:
+        env["ATELIER_CRASH_AT"] = crash_at
+    return subprocess.run([sys.executable, "-m", "atelier.cli.main", "pretrain", *args, "--json"],
+                          capture_output=True, text=True, timeout=900, env=env)
+
+
+MEASURED = {"tokens_per_s", "step_s"}
+"""Fields of a metrics line that measure time; every other one must repeat exactly."""
+
+
+@pytest.fixture(scope="module")
+def two_rank_recipe(tmp_path_factory, tiny_model_dir, tiny_tokenizer) -> tuple[Path, Path]:
+    """A CPT + SFT recipe on 2 ranks, and its uninterrupted run."""
+    from tests.pretrain.conftest import write_repos
+
+    root = tmp_path_factory.mktemp("two-rank-recipe")
+    trajs = _sft_dir(root, tiny_tokenizer)
+    phases = [PhaseConfig(name="cpt", steps=3, seq_len=32, micro_batch=2, grad_accum=2, lr=3e-3, warmup_steps=1),
+              PhaseConfig(name="sft", kind="sft", steps=2, seq_len=64, micro_batch=2, lr=1e-3,
+                          trajectories=[str(trajs)])]
+    config = _config(tiny_model_dir, write_repos(root / "code"), phases).model_copy(update={"ranks": 2})
+    recipe = root / "recipe.toml"
+    recipe.write_text(dump_config(config))
+    done = _run(str(recipe), "--run-dir", str(root / "whole"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return recipe, root / "whole"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # a hang guard only: two runs of two ranks on a loaded 2-core machine
+@pytest.mark.parametrize("point, victim, resumes_from", [
+    ("pretrain.after_backward:5", 1, 4),   # mid-step in SFT: resumes mid-phase, sharded optimizer loaded
+    ("pretrain.before_commit:2", 0, 2),    # step 3's checkpoint written but for state.json: not committed
+])
+def test_a_rank_killed_mid_run_resumes_to_the_uninterrupted_weights(tmp_path, two_rank_recipe, point, victim,
+                                                                    resumes_from):
+    """kill -9 of one rank stops the job with a message naming it; --resume restarts both ranks from
+    the last committed checkpoint and ends with the uninterrupted 2-rank run's metrics (timings aside)
+    and final weights, bit for bit."""
+    import torch
+    from safetensors.torch import load_file
+
+    recipe, whole = two_rank_recipe
+    run = tmp_path / "run"
+    crashed = _run(str(recipe), "--run-dir", str(run), crash_at=f"{point}@{victim}")
+    assert crashed.returncode == 2, crashed.stderr[-3000:]
+    assert f"rank {victim} of 2 was killed by SIGKILL" in crashed.stderr
+    assert not (run / "final").exists()
+    from atelier.pretrain.checkpoint import latest_checkpoint
+
+    assert json.loads((latest_checkpoint(run) / "state.json").read_text())["global_step"] == resumes_from
+
+    resumed = _run("--resume", str(run))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert summary["global_step"] == 5 and not summary["stopped"]
+
+    def rows(r: Path) -> list[dict]:
+        return [{k: v for k, v in json.loads(x).items() if k not in MEASURED}
+                for x in (r / "metrics.jsonl").read_text().splitlines()]
+    assert rows(run) == rows(whole)
+    got, want = (load_file(r / "final" / "model.safetensors") for r in (run, whole))
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{k} differs by up to {(got[k] - want[k]).abs().max()}"

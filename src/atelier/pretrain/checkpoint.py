@@ -16,6 +16,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from atelier.fsio import atomic_write, crash_point
+
 CHECKPOINTS = "checkpoints"
 
 
@@ -58,7 +60,8 @@ def save_checkpoint(run_dir: Path, head, tokenizer, optimizer, state: dict[str, 
         "numpy_rng": np.random.get_state(),
         "python_rng": random.getstate(),
     }, out / "trainer_state.pt")
-    (out / "state.json").write_text(json.dumps(state, indent=1) + "\n")
+    crash_point("pretrain.before_commit")
+    atomic_write(out / "state.json", json.dumps(state, indent=1) + "\n")
     for old in complete_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return out

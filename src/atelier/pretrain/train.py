@@ -8,9 +8,18 @@ length from the same token shards. An optimizer step sums the masked NLL of
 
 Resume: a checkpoint stores the weights, the optimizer, RNG states and the
 data cursor; the schedule and the data order are functions of counters
-(schedule.py), so a resumed run repeats the uninterrupted run's losses.
+(schedule.py), so a resumed run repeats the uninterrupted run's losses and
+ends with its weights, bit for bit (with the same ranks and threads).
 Metrics logged after the checkpoint a resume starts from are dropped and
-logged again.
+logged again. Commit points, in the order of one step: the step's metrics
+line (fsynced), then the checkpoint's `state.json` (atomic), then, after
+the last step, `final/` (an atomic directory) and `summary.json`. Each
+moment in between is a named crash point (`atelier.fsio.crash_point`):
+`pretrain.after_backward` (mid-step: gradients reduced, no optimizer step),
+`pretrain.after_metrics`, `pretrain.before_commit` (a checkpoint with
+everything but state.json), `pretrain.after_checkpoint`,
+`pretrain.before_final`; tests/pretrain/test_pretrain_ranks.py kills a rank
+at them and resumes to the uninterrupted run.
 
 N ranks (`ranks = N`; `atelier pretrain` starts them, see atelier.launch):
 every rank draws the same rows in the same order (the data cursor is a
@@ -33,6 +42,7 @@ from typing import Any
 
 from atelier.config import dump_config
 from atelier.errors import AtelierError
+from atelier.fsio import append_line, atomic_dir, atomic_write, crash_point
 from atelier.pretrain.batches import ExampleBatches, MixtureBatches
 from atelier.pretrain.checkpoint import latest_checkpoint, load_trainer_state, restore_rng, save_checkpoint
 from atelier.pretrain.config import PhaseConfig, PretrainConfig
@@ -115,7 +125,8 @@ def run_pretrain(config: PretrainConfig, run_dir: str | Path, *, resume: bool = 
             continue
         if not mid_phase and phase.rope_theta_scale != 1.0:
             theta = scale_rope_theta(model, phase.rope_theta_scale, phase.seq_len)
-            log.event({"phase": phase.name, "rope_theta": theta})
+            # `step`: the first step it holds for, so a resume from before that step logs it again
+            log.event({"step": state["global_step"] + 1, "phase": phase.name, "rope_theta": theta})
         batches = _batches(config, phase, index, corpus, tokenizer, state["cursor"] if mid_phase else None)
         optimizer = torch.optim.AdamW(head.parameters(), lr=phase.lr, betas=phase.betas,
                                       weight_decay=phase.weight_decay)
@@ -135,12 +146,14 @@ def run_pretrain(config: PretrainConfig, run_dir: str | Path, *, resume: bool = 
             if (step + 1) % config.log_every == 0 or step + 1 == phase.steps:
                 log.step({"step": state["global_step"], "phase": phase.name, "phase_step": step + 1,
                           **metrics})
+            crash_point("pretrain.after_metrics")
             if config.eval_every and state["global_step"] % config.eval_every == 0 and corpus.heldout:
                 val = _val_loss(head, corpus.heldout, phase, config, device)
                 log.event({"step": state["global_step"], "phase": phase.name, "val_loss": val})
             last = step + 1 == phase.steps
             if last or state["global_step"] % config.checkpoint_every == 0:
                 save_checkpoint(run_dir, head, tokenizer, optimizer, state, config.keep_checkpoints, ranks)
+                crash_point("pretrain.after_checkpoint")
             if config.stop_after is not None and state["global_step"] >= config.stop_after and not (
                     last and index == len(config.phases) - 1):
                 result.global_step, result.stopped = state["global_step"], True
@@ -153,12 +166,14 @@ def run_pretrain(config: PretrainConfig, run_dir: str | Path, *, resume: bool = 
     result.final_model = final
     if not ranks.main:
         return result
-    model.save_pretrained(final, state_dict=weights)
-    tokenizer.save_pretrained(final)
+    crash_point("pretrain.before_final")
+    with atomic_dir(final) as tmp:
+        model.save_pretrained(tmp, state_dict=weights)
+        tokenizer.save_pretrained(tmp)
     _plot(run_dir)
     if config.evals.enabled:
         result.evals = _base_evals(config, final, corpus, run_dir, device)
-    (run_dir / "summary.json").write_text(json.dumps({
+    atomic_write(run_dir / "summary.json", json.dumps({
         "final_model": str(final), "global_step": result.global_step,
         "phases": [p.name for p in config.phases], "evals": result.evals}, indent=1) + "\n")
     return result
@@ -245,6 +260,7 @@ def _train_step(head, optimizer, batches, phase: PhaseConfig, step: int, ranks, 
                 if routing is not None and rows:
                     c = expert_counts(routing.used(), routing.num_experts)
                     counts_E = c if counts_E is None else counts_E + c
+        crash_point("pretrain.after_backward")   # mid-step: gradients reduced, no step taken
         grad_norm = D.clip_grad_norm(head.parameters(), phase.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -274,11 +290,19 @@ def _val_loss(head, stream, phase: PhaseConfig, config: PretrainConfig, device: 
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
+    """Keep the whole lines of steps up to `step` (a torn last line, cut by a kill mid-write, goes
+    too), in one atomic replace."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step]
-    path.write_text("".join(line + "\n" for line in kept))
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        if record.get("step", 0) <= step:
+            kept.append(line)
+    atomic_write(path, "".join(line + "\n" for line in kept))
 
 
 class _Logger:
@@ -290,8 +314,7 @@ class _Logger:
     def _write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(record) + "\n")
+        append_line(self.path, json.dumps(record))
 
     def step(self, record: dict[str, Any]) -> None:
         self._write(record)
