@@ -38,7 +38,8 @@ engine's tokens/s over the better of transformers' two rows at batch 16.
 
 Usage: python benchmarks/inference.py [--model smollm2-135m|tiny|DIR] [--new-tokens 64]
        [--batches 1,16,64] [--threads 2] [--agents 4] [--turns 3] [--turn-tokens 32]
-       [--serve-clients 16] [--serve-prompt-tokens 3000] [--skip agent,serve,...]
+       [--serve-clients 16] [--serve-prompt-tokens 3000] [--skip agent,serve,...] [--vllm-eager]
+In-process rows and sections run first, the vLLM rows last (each progress line goes to stderr).
 The default model is pulled into the cache if missing.
 """
 
@@ -176,7 +177,8 @@ def _vllm(ctx: Context, dtype: str) -> dict:
     except VLLMUnavailable as exc:
         return {"dtype": dtype, "skipped": exc.message}
     params = SamplingParams(max_tokens=ctx.args.new_tokens, temperature=0.0, stop_token_ids=(-1,))
-    start_s, engine = _timed(lambda: VLLMEngine(ctx.path, VLLMConfig(dtype=dtype, max_model_len=4096)))
+    config = VLLMConfig(dtype=dtype, max_model_len=4096, enforce_eager=ctx.args.vllm_eager)
+    start_s, engine = _timed(lambda: VLLMEngine(ctx.path, config))
     with engine:
         def run(prompts: list[list[int]]) -> int:
             engine.clear_prefix_cache()  # no batch reuses another's prompts
@@ -200,6 +202,7 @@ def _vllm(ctx: Context, dtype: str) -> dict:
 
         run(ctx.prompts[:2])  # warm-up
         result = {"dtype": dtype, "server_start_s": round(start_s, 1), "chunk_tokens": engine.config.chunk_tokens,
+                  "enforce_eager": config.enforce_eager,
                   **_throughput(run, ctx.prompts, ctx.args.batches)}
         if ctx.args.agents > 0 and "agent" not in ctx.args.skip:
             try:
@@ -471,6 +474,12 @@ def serve_memory(ctx: Context, dtype: str | None) -> dict:
         proc.wait(timeout=60)
 
 
+def _progress(name: str, value):
+    """Print one section's result as it completes (with the load), for runs cut short; return it."""
+    print(f"{name} (load {os.getloadavg()[0]:.1f}): {json.dumps(value)}", file=sys.stderr, flush=True)
+    return value
+
+
 # -- main ------------------------------------------------------------------------------------
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -485,6 +494,8 @@ def main() -> None:
     parser.add_argument("--turn-tokens", type=int, default=32)
     parser.add_argument("--serve-clients", type=int, default=16)
     parser.add_argument("--serve-prompt-tokens", type=int, default=3000)
+    parser.add_argument("--vllm-eager", action="store_true",
+                        help="start vLLM without torch.compile (a first compile takes many minutes on a loaded CPU)")
     parser.add_argument("--skip", default="", help="comma list of: agent, weights, serve")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
@@ -510,27 +521,33 @@ def main() -> None:
                       tokenizer)
         report["prompt_tokens"] = [len(p) for p in ctx.prompts[:16]]
         rows = report["rows"] = {}
-        for name in filter(None, args.rows.split(",")):
-            rows[name] = ROWS[name](ctx)
-            print(f"{name}: {json.dumps(rows[name])}", file=sys.stderr, flush=True)  # progress
+        names = list(filter(None, args.rows.split(",")))
+        # The in-process rows and sections first, the vLLM servers (minutes to start, longer to
+        # compile) last: a run cut short still has the target's rows.
+        for name in [n for n in names if not n.startswith("vllm")]:
+            rows[name] = _progress(name, ROWS[name](ctx))
         ours, hf = rows.get(f"builtin_{'bf16' if default == 'bfloat16' else 'fp32'}"), \
             [r for k, r in rows.items() if k.startswith("transformers")]
         if ours and hf and "16" in ours:
             best = max(r["16"]["tokens_per_s"] for r in hf)
-            report["ratio_default_vs_hf_best_at_16"] = round(ours["16"]["tokens_per_s"] / best, 2)
+            report["ratio_default_vs_hf_best_at_16"] = _progress("ratio_default_vs_hf_best_at_16",
+                                                                 round(ours["16"]["tokens_per_s"] / best, 2))
             report["target"] = "the recipes' default engine >= 1.8x transformers' padded batch at 16"
         if "agent" not in skip and args.agents > 0:
             runs, replies = [], {}
             for dtype, cache in ((default, False), (default, True),
                                  ("float32" if default == "bfloat16" else "bfloat16", True)):
                 result, replies[(dtype, cache)] = agent_workload(ctx, dtype, cache)
-                runs.append(result)
+                runs.append(_progress("agent", result))
             report["agent"] = {"agents": args.agents, "turns": args.turns, "turn_tokens": args.turn_tokens,
                                "runs": runs,
                                "identical_with_and_without_cache": replies[(default, True)] == replies[(default, False)],
                                "cache_speedup": round(runs[0]["seconds"] / runs[1]["seconds"], 2)}
         if "weights" not in skip:
-            report["weight_update"] = [weight_update(ctx, d) for d in ("float32", "bfloat16")]
+            report["weight_update"] = [_progress("weight_update", weight_update(ctx, d))
+                                       for d in ("float32", "bfloat16")]
+        for name in [n for n in names if n.startswith("vllm")]:
+            rows[name] = _progress(name, ROWS[name](ctx))
         if "serve" not in skip:
             report["serve_memory"] = serve_memory(ctx, None)
     report["load_avg_at_end"] = [round(x, 1) for x in os.getloadavg()]
