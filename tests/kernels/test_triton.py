@@ -41,7 +41,7 @@ def adversarial(R: int, K: int, seed: int = 0) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("shape", [(19, 64), (128, 256)])
+@pytest.mark.parametrize("shape", [(19, 64), pytest.param((128, 256), marks=pytest.mark.slow)])
 def test_nvfp4_quantise_kernel_is_bit_exact(shape):
     # the second case: bf16-valued rows, where x * (1/d) and x / d give different codes (~1 in 3000)
     x = adversarial(*shape) if shape[0] < 64 else torch.randn(shape).bfloat16().float()

@@ -20,7 +20,8 @@ def test_pack_routes_is_compact_and_round_trips():
     assert pack_routes(ids, num_experts=300).dtype == np.uint16
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+# Mixtral: slow here; the engine-based test (test_sampler_routes.py) checks the same on the tiny Mixtral.
+@pytest.mark.parametrize("arch", [pytest.param("mixtral", marks=pytest.mark.slow), "qwen3_moe"])
 def test_replay_uses_exactly_the_samplers_experts_and_reproduces_its_logprobs(arch):
     model = tiny_moe(arch=arch)
     prompt = list(range(10, 30))
@@ -34,6 +35,7 @@ def test_replay_uses_exactly_the_samplers_experts_and_reproduces_its_logprobs(ar
     assert float((logp - torch.tensor(mu)).abs().max()) < 1e-4
 
 
+@pytest.mark.slow   # the RL run test checks routes_match_frac == 1 with replay in atelier train
 def test_replay_forces_the_samplers_routes_where_the_trainer_would_route_otherwise():
     # a bf16 sampler and an fp32 trainer whose routers moved a little (weights a step apart)
     sampler = tiny_moe(dtype=torch.bfloat16)
@@ -107,6 +109,7 @@ def test_low_precision_experts_match_hf_when_unquantised_and_train():
     assert float(experts.gate_up_proj.grad.abs().sum()) > 0 and float(experts.down_proj.grad.abs().sum()) > 0
 
 
+@pytest.mark.slow   # tests/kernels/test_quant.py checks the same property on the quantiser itself
 def test_per_token_scales_are_batch_invariant_and_per_tensor_scales_are_not():
     seq = torch.randint(0, 512, (1, 16))
     others = torch.randint(0, 512, (3, 16))

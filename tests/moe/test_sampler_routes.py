@@ -100,3 +100,19 @@ def test_routes_persist_compactly_with_the_trajectory(tmp_path):
     assert len(json.dumps(encoded)) < 80 and np.array_equal(decode_routes(encoded), seg.routes)
     (sample,) = samples_from_trajectory(loaded, 1.0, "g")
     assert np.array_equal(sample.routes, seg.routes)
+
+
+def test_generate_endpoint_carries_the_routes(moe_engine_and_model):
+    """`atelier serve`'s /v1/generate returns the same routes the engine gives in process."""
+    from atelier.inference.client import GenerateClient
+    from atelier.inference.types import SamplingParams
+    from tests.inference.conftest import serving
+
+    engine, _ = moe_engine_and_model
+    params = SamplingParams(max_tokens=6, seed=3, stop_token_ids=(0,))
+    prompt = list(range(200, 240))
+    local = engine.generate(prompt, params)
+    with serving(engine) as url, GenerateClient(url) as client:
+        remote = client.generate(prompt, params)
+    assert remote.token_ids == local.token_ids
+    assert remote.routes.dtype == np.uint8 and np.array_equal(remote.routes, local.routes)

@@ -16,6 +16,7 @@ from atelier.rl.run import run_training
 RECIPE = Path(__file__).parents[2] / "recipes" / "rl-tiny-moe.toml"
 
 
+@pytest.mark.slow   # test_trainer_moe.py trains the low-precision experts in the default run
 def test_tiny_moe_recipe_trains_with_low_precision_experts(tmp_path):
     config = load_config(TrainConfig, RECIPE, ["trainer.steps=2", "rollout.groups_per_step=1", "env.toy.tasks=4"])
     summary = run_training(config, tmp_path / "run")

@@ -35,6 +35,7 @@ def samples_from_sampler(path, n: int = 3, routes: bool = True) -> list[Sample]:
     return out
 
 
+@pytest.mark.slow   # test_train_moe_run.py checks the same through atelier train with the engine's routes
 def test_trainer_replays_sampler_routes_and_trains_the_router(moe_dir):
     cfg = TrainerConfig(lr=1e-2, micro_batch=2, router_replay=True)
     trainer = Trainer(moe_dir, cfg)
