@@ -116,3 +116,27 @@ def test_generate_endpoint_carries_the_routes(moe_engine_and_model):
         remote = client.generate(prompt, params)
     assert remote.token_ids == local.token_ids
     assert remote.routes.dtype == np.uint8 and np.array_equal(remote.routes, local.routes)
+
+
+def test_a_two_turn_segment_replays_to_both_turns_logprobs(moe_engine_and_model):
+    """Turn 1, a tool output the sampler has not fed yet, turn 2 on the whole segment: the segment's
+    routes then cover every token but the last, and one replayed forward over it reproduces the
+    logprobs of both turns' sampled tokens within 1e-4 (fp32)."""
+    from atelier.inference.types import SamplingParams
+
+    engine, model = moe_engine_and_model
+    seg = Segment()
+    seg.extend_prompt(list(range(120, 170)))
+    for turn in range(2):
+        gen = engine.generate(list(seg.token_ids), SamplingParams(max_tokens=10, seed=20 + turn, stop_token_ids=(0,)))
+        seg.extend_sampled(gen.token_ids, gen.logprobs, gen.versions, gen.routes)
+        if turn == 0:
+            seg.extend_prompt([9, 8, 7, 6, 5])                        # the tool's answer
+            assert (seg.routes[-6:] == NO).all()
+    assert (seg.routes[:-1] != NO).all() and (seg.routes[-1] == NO).all()
+    replay = RouterReplay(model)
+    with torch.no_grad(), replay.replay(seg.routes):
+        logits = model(input_ids=torch.tensor([seg.token_ids])).logits[0].float()
+    logp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(seg.token_ids[1:])[:, None])[:, 0]
+    sampled = torch.tensor(seg.loss_mask[1:]).bool()
+    assert (logp[sampled] - torch.tensor(seg.logprobs[1:])[sampled]).abs().max() < 1e-4
