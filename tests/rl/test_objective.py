@@ -23,7 +23,9 @@ def test_infra_failures_are_excluded_from_the_group_mean():
     assert group_advantages([1.0, None, 0.0, 0.0]) == pytest.approx([2 / 3, None, -1 / 3, -1 / 3])
     assert group_advantages([None, None]) == [None, None]
     stats = group_stats([1.0, None, 0.0], [True, None, False])
-    assert stats == {"reward_mean": 0.5, "pass_rate": 0.5, "best_of_k": 1.0, "valid": 2.0}
+    assert stats["zero_variance"] == 0.0
+    assert group_stats([-0.1, None, -0.1], [False, None, False])["zero_variance"] == 1.0
+    assert stats == {"reward_mean": 0.5, "pass_rate": 0.5, "best_of_k": 1.0, "valid": 2.0, "zero_variance": 0.0}
 
 
 def _inputs(logp, mu, adv, mask, ref=None):

@@ -25,14 +25,17 @@ def group_advantages(rewards: Sequence[float | None]) -> list[float | None]:
 
 
 def group_stats(rewards: Sequence[float | None], passed: Sequence[bool | None]) -> dict[str, float]:
-    """Mean reward, pass rate and best-of-K over the valid members of one group."""
+    """Mean reward, pass rate and best-of-K over the valid members of one group, and
+    `zero_variance` (1.0 when every valid member got the same reward: every advantage is 0,
+    so the group teaches nothing)."""
     valid = [r for r in rewards if r is not None]
     ok = [bool(p) for p in passed if p is not None]
     if not valid:
-        return {"reward_mean": 0.0, "pass_rate": 0.0, "best_of_k": 0.0, "valid": 0.0}
+        return {"reward_mean": 0.0, "pass_rate": 0.0, "best_of_k": 0.0, "valid": 0.0, "zero_variance": 1.0}
     return {
         "reward_mean": sum(valid) / len(valid),
         "pass_rate": sum(ok) / len(ok) if ok else 0.0,
         "best_of_k": float(any(ok)),
         "valid": float(len(valid)),
+        "zero_variance": float(max(valid) - min(valid) <= 1e-9),
     }
