@@ -1,6 +1,5 @@
-"""The tiny Mixtral on vLLM's CPU build: served like the built-in engine; weight updates refused there
-(an in-place reload comes out wrong, see atelier.inference.vllm_engine); the trainer's fused expert
-names split into the checkpoint's.
+"""The tiny Mixtral on vLLM's CPU build: served like the built-in engine, before and after a weight
+update (the trainer's fused expert names split into the checkpoint's; the CPU experts repacked).
 
 Oracle: the built-in engine (fp32) on the same weights, greedy tokens equal and logprobs close.
 Slow: a vLLM server on a tiny MoE takes minutes to start on a loaded CPU. What vLLM 0.32's CPU
@@ -22,12 +21,12 @@ def _greedy_pairs(ref, vllm, prompts):
 
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
-def test_vllm_serves_the_tiny_mixtral_like_the_builtin_engine_and_refuses_updates_on_cpu(tmp_path):
+def test_vllm_serves_the_tiny_mixtral_like_the_builtin_engine_before_and_after_an_update(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from atelier.inference.engine import LocalEngine
     from atelier.inference.tiny import VLLM_SHAPE, build_tiny_model
-    from atelier.inference.vllm_engine import VLLMEngine, VLLMEngineError
+    from atelier.inference.vllm_engine import VLLMEngine
     from atelier.inference.vllm_server import VLLMConfig, VLLMUnavailable, find_vllm_python
 
     try:
@@ -44,11 +43,11 @@ def test_vllm_serves_the_tiny_mixtral_like_the_builtin_engine_and_refuses_update
             assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < 1e-3
             assert want.routes is not None and got.routes is None   # vLLM's CPU build returns none
         new = AutoModelForCausalLM.from_pretrained(other).state_dict()   # what the trainer sends
-        with pytest.raises(VLLMEngineError, match="reloads a mixture-of-experts"):
-            vllm.update_weights(new, 1)      # an in-place reload comes out wrong there (see vllm_engine)
-        assert vllm.version == 0
-        for want, got in _greedy_pairs(ref, vllm, prompts[:1]):
-            assert got.token_ids == want.token_ids          # the refused update changed nothing
+        ref.update_weights(new, 1)
+        vllm.update_weights(new, 1)     # experts (repacked on the CPU), routers and attention
+        for want, got in _greedy_pairs(ref, vllm, prompts):
+            assert got.token_ids == want.token_ids and set(got.versions) == {1}
+            assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < 1e-3
 
 
 def test_fused_expert_names_split_into_the_checkpoints(tmp_path):

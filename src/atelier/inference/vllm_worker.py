@@ -12,7 +12,8 @@ Why a method of our own rather than vLLM's `reload_weights` alone
 `embed_tokens`, so a reload never loads it, and on CPU its matmul uses a
 copy packed at load time. After a reload the embedding is new and the packed
 head is old: logprobs off by up to 1.7 nats with no error. So after every
-reload the head is re-tied to the embedding and re-packed.
+reload the head is re-tied to the embedding and re-packed. The CPU build's
+mixture-of-experts layers have the same trap (`atelier_repack_moe`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,25 @@ class AtelierWorkerExtension:
         """Load every `*.safetensors` in `weights_path` (HF names, whole fused groups) in place,
         then re-derive a tied `lm_head` from `embed_tokens`."""
         self.reload_weights(weights_path=weights_path, is_checkpoint_format=True)  # type: ignore[attr-defined]
-        return {"retied_lm_head": self.atelier_retie_lm_head()}
+        return {"retied_lm_head": self.atelier_retie_lm_head(), "repacked_moe": self.atelier_repack_moe()}
+
+    def atelier_repack_moe(self) -> int:
+        """Redo the CPU experts' weight packing after a reload; returns how many MoE layers.
+
+        vLLM 0.32's CPU experts pre-pack w13/w2 into their grouped-GEMM layout once, at load
+        (`CPUUnquantizedExperts.process_weights_after_loading`, `cpu_prepack_moe_weight`). A
+        weight update copies the new, unpacked weights over them and skips that step
+        (`UnquantizedFusedMoEMethod._setup_kernel` runs it only when no kernel exists yet), so
+        the kernel reads unpacked weights as packed: wrong outputs, no error."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        layers = 0
+        for module in model.modules():
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            experts = getattr(kernel, "fused_experts", None)
+            if experts is not None and type(experts).__name__.endswith("CPUUnquantizedExperts"):
+                experts.process_weights_after_loading(module)
+                layers += 1
+        return layers
 
     def atelier_retie_lm_head(self) -> bool:
         """Point a tied `lm_head` at `embed_tokens`' weight and redo its post-load processing
