@@ -57,12 +57,13 @@ def test_fused_expert_names_split_into_the_checkpoints(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from atelier.inference.tiny import build_tiny_model
+    from atelier.inference.tiny import tiny_moe_config
     from atelier.inference.vllm_engine import checkpoint_names
 
-    path = build_tiny_model(tmp_path / "moe", moe=True)
-    on_disk = load_file(str(path / "model.safetensors"))
-    state = AutoModelForCausalLM.from_pretrained(path).state_dict()
+    model = AutoModelForCausalLM.from_config(tiny_moe_config(512))
+    model.save_pretrained(tmp_path)
+    on_disk = load_file(str(tmp_path / "model.safetensors"))
+    state = model.state_dict()
     state.pop("lm_head.weight")                            # tied: vLLM re-derives it
     split = checkpoint_names(state, set(on_disk))
     assert set(split) == set(on_disk)
