@@ -56,7 +56,9 @@ def save_checkpoint(run_dir: Path, step: int, trainer, tokenizer, meta: dict[str
     with atomic_dir(final) as tmp:
         trainer.save(tmp, tokenizer)
         torch.save({"python": random.getstate(), "numpy": np.random.get_state(),
-                    "torch": torch.get_rng_state()}, tmp / "rng.pt")
+                    "torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+                   tmp / "rng.pt")
         (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}, indent=1) + "\n")
         crash_point("checkpoint.before_rename")
     for old in sorted(root.glob("step-*"), key=lambda p: p.name)[:-KEEP]:
@@ -70,6 +72,8 @@ def restore_rng(ckpt: Path) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def read_meta(ckpt: Path) -> dict[str, Any]:
