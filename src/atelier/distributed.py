@@ -14,10 +14,10 @@ functions and never branch on the number of ranks themselves:
   unwrapped: one rank is exactly the single-process trainer.
 - `PolicyHead` wraps a Hugging Face causal LM so that one forward returns the
   per-token logprobs (and entropy) of the given ids, computed over chunks of
-  C positions under activation checkpointing: the fp32 [B, T, V] log-softmax
-  is never in memory, only one [B, C, V] chunk at a time, in the forward and
-  in the backward (PITFALLS: a whole-vocabulary fp32 log-softmax ran trainers
-  out of memory).
+  C tokens (`atelier.kernels.logprobs`, its own checkpoint): the fp32
+  [B, T, V] log-softmax is never in memory, only [C, V] blocks, in the
+  forward and in the backward (PITFALLS: a whole-vocabulary fp32 log-softmax
+  ran trainers out of memory).
 - `shard(head, ranks, precision)` applies `fully_shard` to every decoder
   layer and then to the head (the root, which owns embeddings, final norm and
   lm_head, tied or not), with `MixedPrecisionPolicy(param_dtype=bf16,
@@ -155,46 +155,24 @@ def close_ranks() -> None:
 
 # --- the model: chunked logprobs behind one forward -----------------------------
 
-def _chunk_logprobs(hidden_BCH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None,
-                    targets_BC: torch.Tensor, temperature: float, want_entropy: bool):
-    logits_BCV = nn.functional.linear(hidden_BCH, weight_VH, bias_V).float() / temperature
-    lse_BC = torch.logsumexp(logits_BCV, dim=-1)
-    picked_BC = logits_BCV.gather(-1, targets_BC[..., None]).squeeze(-1) - lse_BC
-    if not want_entropy:
-        return picked_BC, torch.zeros_like(picked_BC)
-    with torch.no_grad():   # H = lse - sum_v p_v * logit_v, with p from the lse already computed
-        lse = lse_BC.detach()
-        p_BCV = torch.exp(logits_BCV.detach() - lse[..., None])
-        ent_BC = lse - (p_BCV * logits_BCV.detach()).sum(-1)
-    return picked_BC, ent_BC
-
-
 def chunked_token_logprobs(hidden_BTH: torch.Tensor, lm_head: nn.Linear, ids_BT: torch.Tensor,
                            temperature: float, want_entropy: bool = False,
                            chunk: int = LOGPROB_CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(ids[t] | ids[<t]) from the final hidden states, C positions at a time.
+    """log p(ids[t] | ids[<t]) from the final hidden states, C tokens of the batch at a time.
 
-    Position 0 gets 0 (nothing predicts it). Each chunk's logits are recomputed
-    in the backward (checkpointed), so memory holds one [B, C, V] block.
+    Position 0 gets 0 (nothing predicts it). The B sequences are flattened into
+    one list of tokens and cut into chunks of C (`atelier.kernels.logprobs`,
+    which recomputes each chunk's logits in the backward), so memory holds a
+    few [C, V] fp32 blocks whatever B is.
     """
-    from torch.utils.checkpoint import checkpoint
+    from atelier.kernels.logprobs import chunked_logprobs
 
-    h_BTH = hidden_BTH[:, :-1]
-    targets_BT = ids_BT[:, 1:]
-    picked, ents = [], []
-    needs_grad = torch.is_grad_enabled() and (h_BTH.requires_grad or lm_head.weight.requires_grad)
-    for s in range(0, h_BTH.shape[1], chunk):
-        args = (h_BTH[:, s:s + chunk], lm_head.weight, lm_head.bias, targets_BT[:, s:s + chunk],
-                temperature, want_entropy)
-        if needs_grad:
-            lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
-        else:
-            lp, ent = _chunk_logprobs(*args)
-        picked.append(lp)
-        ents.append(ent)
-    zero_B1 = torch.zeros(ids_BT.shape[0], 1, dtype=torch.float32, device=ids_BT.device)
-    logp_BT = torch.cat([zero_B1, *picked], dim=1)
-    entropy_BT = torch.cat([zero_B1, *ents], dim=1).detach() if want_entropy else None
+    B, T, H = hidden_BTH.shape
+    logp_N, ent_N = chunked_logprobs(hidden_BTH[:, :-1].reshape(-1, H), lm_head.weight, lm_head.bias,
+                                     ids_BT[:, 1:].reshape(-1), temperature, chunk, want_entropy)
+    zero_B1 = torch.zeros(B, 1, dtype=torch.float32, device=ids_BT.device)
+    logp_BT = torch.cat([zero_B1, logp_N.view(B, T - 1)], dim=1)
+    entropy_BT = torch.cat([zero_B1, ent_N.view(B, T - 1)], dim=1) if want_entropy else None
     return logp_BT, entropy_BT
 
 

@@ -119,17 +119,25 @@ def test_two_ranks_take_the_one_rank_step(tiny_model_dir, tmp_path):
     state_two = torch.load(tmp_path / "out" / "state.pt")
     for a, b in zip(one["rl"], two["rl"]):
         assert b["ranks"] == 2 and a["ranks"] == 1
-        for key in ("loss", "grad_norm", "train_tokens", "is_weight_mean", "kl_k1", "entropy"):
+        for key in ("loss", "grad_norm", "train_tokens", "is_weight_mean", "entropy"):
             assert_rel(a[key], b[key])
+        # kl_k1 is a mean of differences of two ~6-nat logprobs that nearly cancel (~1e-3 after
+        # one step): a relative bound on it would ask each logprob for ~1e-9 relative, below
+        # fp32's resolution, which a matmul's row grouping (different on 1 and 2 ranks) moves.
+        assert abs(a["kl_k1"] - b["kl_k1"]) <= 1e-6, (a["kl_k1"], b["kl_k1"])
         assert a["staleness_hist"] == b["staleness_hist"]
     for a, b in zip(one["sft"], two["sft"]):
         assert (a["ranks"], b["ranks"], a["targets"]) == (1, 2, b["targets"])
         assert_rel(a["loss"], b["loss"])
         assert_rel(a["grad_norm"], b["grad_norm"])
-    for part in ("rl", "sft"):
+    # Weights after two AdamW steps: 1e-5 relative for the RL run (measured <= 1e-6); 2e-5 for
+    # the SFT run, whose layer-0 gate_proj sits at fp32 summation-order noise amplified by Adam's
+    # normalisation (8.8e-6 with autograd's logprob backward, 1.0e-5 with the chunked one, whose
+    # matmuls group rows differently); losses and gradient norms keep the 1e-5 bound above.
+    for part, tol in (("rl", 1e-5), ("sft", 2e-5)):
         assert set(state_one[part]) == set(state_two[part])
         for k, v in state_one[part].items():
-            assert float((v - state_two[part][k]).norm() / v.norm()) < 1e-5, (part, k)
+            assert float((v - state_two[part][k]).norm() / v.norm()) < tol, (part, k)
 
 
 def test_a_rank_that_dies_stops_the_job_with_a_message(tmp_path):

@@ -127,7 +127,8 @@ class PretrainConfig(AtelierConfig):
     timeout_s: float = Field(600.0, gt=0)
     # Recompute each decoder layer in the backward instead of keeping its activations.
     activation_checkpointing: bool = False
-    # Positions per chunk of the token-logprob computation (memory: one [rows, chunk, vocab] block).
+    # Tokens per chunk of the token-logprob computation, over the whole micro-batch (memory: a few
+    # fp32 [chunk, vocab] blocks).
     logprob_chunk: int = Field(512, gt=0)
     # Expert matmuls of a mixture-of-experts model, as the RL trainer's `trainer.moe_precision`
     # (atelier.moe.precision): "bf16" leaves them alone, "mxfp8", "nvfp4_fwd_mxfp8_bwd". On an MoE

@@ -98,7 +98,8 @@ class TrainerConfig(AtelierConfig):
     still learns (atelier.moe.replay). Positions without a record route freely (see
     atelier.harness.trajectory). Needs inference.engine = "builtin"."""
     logprob_chunk: int = Field(512, ge=1)
-    """Positions per chunk of the logprob/entropy computation (memory: one [B, chunk, V] block)."""
+    """Tokens per chunk of the logprob/entropy computation, counted over the whole micro-batch
+    (atelier.kernels.logprobs; memory: a few fp32 [chunk, V] blocks, whatever the micro-batch)."""
     timeout_s: float = Field(600.0, gt=0)
     """Longest wait of any collective between ranks; a dead or hung rank stops the job after it."""
 

@@ -9,7 +9,7 @@ logprobs equal to rollout logprobs made the correction a no-op), computes
 the loss of `atelier.rl.loss` against the sampler's logprobs, and steps.
 Logprobs are those of log_softmax(logits / temperature), the same quantity
 the engine reports (see atelier.inference.sampling), computed in chunks of
-`logprob_chunk` positions so no fp32 [B, T, V] is ever held.
+`logprob_chunk` tokens so no fp32 [B, T, V] is ever held.
 
 With `trainer.ranks = N` every rank builds a `Trainer` and calls
 `train_step` with the *same* list of samples (the launcher broadcasts it):
