@@ -247,6 +247,61 @@ def test_updated_server_equals_a_fresh_one_and_survives_kill_9(vllm_engine, hf_m
     assert max(abs(a - b) for a, b in zip(fresh.logprobs, updated.logprobs)) < 1e-5
 
 
+@pytest.mark.slow  # a server of its own (an untied model): minutes here
+@pytest.mark.timeout(2400)
+def test_untied_head_update_equals_a_fresh_server(tmp_path):
+    """An untied `lm_head` is a weight of its own: an update must reach it, and re-tying must not
+    touch it. Oracles: the server as started fresh from weights A, and the trainer's recompute.
+    The same server updated to B must match the recompute at B (a head left at A would not, nor
+    would a head re-derived from B's embedding); a head-only update must too; updated back to A it
+    must equal the fresh server at A."""
+    from transformers import AutoModelForCausalLM
+
+    from atelier.inference.tiny import VLLM_SHAPE, build_tiny_model
+    from atelier.inference.vllm_engine import VLLMEngine
+    from atelier.inference.vllm_server import VLLMConfig, VLLMUnavailable, find_vllm_python
+
+    try:
+        find_vllm_python(VLLMConfig())
+    except VLLMUnavailable as exc:
+        pytest.skip(f"the vLLM environment is absent ({exc.message}); `make vllm-env` builds it")
+    path = build_tiny_model(tmp_path / "untied", initializer_range=0.2, tie_word_embeddings=False, **VLLM_SHAPE)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    weights_a = {k: v.clone() for k, v in model.state_dict().items()}
+    assert not model.config.tie_word_embeddings
+    assert not torch.equal(weights_a["lm_head.weight"], weights_a["model.embed_tokens.weight"])
+    weights_b = perturbed(model, seed=4, scale=0.1)  # untied: the head moves on its own
+    config = VLLMConfig(dtype="float32", chunk_tokens=CHUNK, enforce_eager=True, kv_cache_gb=1, max_model_len=1024)
+    params = SamplingParams(max_tokens=2 * CHUNK, temperature=0.7, seed=9, stop_token_ids=NO_STOP)
+
+    def close_to_recompute(got, weights) -> bool:
+        model.load_state_dict(weights)
+        want = recompute(model, prompt, got.token_ids, 0.7)
+        return max(abs(a - b) for a, b in zip(got.logprobs, want)) < 1e-4
+
+    with VLLMEngine(path, config, work_dir=tmp_path / "work") as engine:
+        assert not engine.tied
+        prompt = prompts(engine.tokenizer)[1]
+        fresh_a = engine.generate(prompt, params)
+        assert close_to_recompute(fresh_a, weights_a)
+
+        engine.update_weights(weights_b, 1)
+        at_b = engine.generate(prompt, params)
+        assert close_to_recompute(at_b, weights_b)
+
+        head_only = {"lm_head.weight": weights_a["lm_head.weight"]}  # B's body with A's head
+        engine.update_weights(head_only, 2)
+        mixed = engine.generate(prompt, params)
+        assert close_to_recompute(mixed, {**weights_b, **head_only})
+        assert not close_to_recompute(mixed, weights_b)  # the head really changed the logprobs
+
+        engine.update_weights(weights_a, 3)
+        back = engine.generate(prompt, params)
+        assert back.versions == [3] * len(back.token_ids)
+        assert back.token_ids == fresh_a.token_ids
+        assert max(abs(a - b) for a, b in zip(back.logprobs, fresh_a.logprobs)) < 1e-5
+
+
 # -- selected by config ------------------------------------------------------------------
 def test_engine_option_is_typed_and_reaches_open_model(vllm_engine, vllm_model_dir):
     """`--engine vllm --vllm KEY=VALUE` (eval, agent) and `[inference]` (train, run) build the same
