@@ -329,6 +329,36 @@ def test_engine_option_is_typed_and_reaches_open_model(vllm_engine, vllm_model_d
             assert model.generate(prompt, greedy(CHUNK)).token_ids == want
 
 
+@pytest.mark.timeout(2400)  # when it is the first to use the session's server, its start counts here
+def test_a_run_reattaching_by_url_serves_its_own_weights(vllm_engine, vllm_model_dir, hf_model):
+    """A run that connects to a server by URL (a resumed trainer re-attaching) finds it holding other
+    weights, here ones the session's engine pushed; `open_rollout_engine` makes it serve the run's
+    model as the run's version before any rollout."""
+    from atelier.config import load_config
+    from atelier.inference.engine import LocalEngine
+    from atelier.rl.config import TrainConfig
+    from atelier.rl.run import open_rollout_engine
+
+    prompt = prompts(vllm_engine.tokenizer)[0]
+    other = perturbed(hf_model, seed=5, scale=0.1)
+    vllm_engine.update_weights(other, vllm_engine.version + 1)
+    stale = vllm_engine.generate(prompt, greedy(2 * CHUNK)).token_ids
+    with LocalEngine(vllm_model_dir, dtype="float32") as builtin:
+        want = builtin.generate(prompt, greedy(2 * CHUNK)).token_ids
+    assert stale != want  # the server really holds other weights
+    config = load_config(TrainConfig, None, [f"model={vllm_model_dir}", "inference.engine=vllm",
+                                             f"inference.vllm.url={vllm_engine.base_url}",
+                                             f"inference.vllm.chunk_tokens={CHUNK}"])
+    engine = open_rollout_engine(config, vllm_model_dir, 7)
+    try:
+        assert engine.server is None  # attached, not started
+        got = engine.generate(prompt, greedy(2 * CHUNK))
+        assert got.token_ids == want and got.versions == [7] * len(want)
+    finally:
+        engine.close()
+    vllm_engine.update_weights(other, vllm_engine.version + 1)  # the server again holds what its engine records
+
+
 def test_a_server_group_dies_with_atelier(tmp_path):
     """`kill -9` of the process that started a server (the trainer) takes the server's whole group
     with it: the watchdog `VLLMServer` starts in it. A `sleep` stands in for vLLM's processes."""

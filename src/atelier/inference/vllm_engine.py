@@ -426,6 +426,20 @@ class VLLMEngine:
         self.update_weights(tensors, version)
         return len(tensors)
 
+    def load_model_weights(self, version: int) -> None:
+        """Push the whole of `model_path`'s weights into the server as `version`.
+
+        A server reached by URL may hold any weights: another run's, or this
+        run's from after its last checkpoint when a killed trainer resumes and
+        re-attaches. The engine's record of the server's weights (what partial
+        updates are completed from) is `model_path`'s until told otherwise, so
+        a run that connects by URL calls this once, and then every token it is
+        stamped with `version` really came from those weights. Call it before
+        any rollout: it drops the record of earlier updates.
+        """
+        self._current = None  # re-read from model_path
+        self.update_weights(dict(self._weights()), version)
+
     def _weights(self) -> dict[str, Any]:
         if self._current is None:
             from safetensors.torch import load_file

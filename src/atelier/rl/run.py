@@ -114,11 +114,18 @@ def open_rollout_engine(config: TrainConfig, model_path: Path, version: int, wor
     """The engine `config.inference` selects, at policy `version` (vLLM keeps its server log in `work_dir`)."""
     from atelier.inference.models import open_model
 
-    return open_model(model_path, inference=config.inference, version=version, name=model_path.name,
-                      work_dir=work_dir, max_batch=max(8, config.rollout.workers),
-                      prefix_cache_tokens=config.rollout.prefix_cache_tokens, dtype=config.rollout.dtype,
-                      kv_cache_tokens=config.rollout.kv_cache_tokens,
-                      batch_invariant=config.rollout.batch_invariant)
+    engine = open_model(model_path, inference=config.inference, version=version, name=model_path.name,
+                        work_dir=work_dir, max_batch=max(8, config.rollout.workers),
+                        prefix_cache_tokens=config.rollout.prefix_cache_tokens, dtype=config.rollout.dtype,
+                        kv_cache_tokens=config.rollout.kv_cache_tokens,
+                        batch_invariant=config.rollout.batch_invariant)
+    if config.inference.engine == "vllm" and config.inference.vllm.url:
+        try:  # re-attach: the server may hold weights of another run or of a step past the checkpoint
+            engine.load_model_weights(version)
+        except BaseException:
+            engine.close()
+            raise
+    return engine
 
 
 @dataclass
