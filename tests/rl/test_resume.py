@@ -63,25 +63,32 @@ def test_kill_9_then_resume_trains_every_sample_exactly_once(tmp_path):
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
 
+    assert_trained_exactly_once(run, STEPS, GROUPS, SIZE, in_flight)
+    assert (run / "checkpoints" / f"step-{STEPS:06d}" / "model" / "config.json").exists()
+
+
+def assert_trained_exactly_once(run: Path, steps: int, groups: int, size: int, in_flight: set[str]) -> None:
+    """The ledger of a resumed run: every sample trained once, in exactly one step, none lost; the
+    rollouts in flight at the kill ran again."""
     ledger = Ledger.load(run / "ledger.jsonl")
     counts = ledger.counts()
-    assert counts["trained"] == STEPS * GROUPS * SIZE, counts
+    assert counts["trained"] == steps * groups * size, counts
     assert counts["queued"] == counts["running"] == counts["graded"] == counts["ready"] == 0
     # single epoch: each task in one group; no group lost, none admitted beyond the steps
     tasks = Counter(g.task_id for g in ledger.groups.values())
-    assert max(tasks.values()) == 1 and len(ledger.groups) == STEPS * GROUPS
-    # each step trained exactly GROUPS whole groups; no slot in two steps
+    assert max(tasks.values()) == 1 and len(ledger.groups) == steps * groups
+    # each step trained exactly `groups` whole groups; no slot in two steps
     by_step: dict[int, set[str]] = defaultdict(set)
     for s in ledger.slots.values():
         by_step[s.step].add(s.group_id)
-    assert sorted(by_step) == list(range(1, STEPS + 1))
-    assert all(len(groups) == GROUPS for groups in by_step.values())
+    assert sorted(by_step) == list(range(1, steps + 1))
+    assert all(len(g) == groups for g in by_step.values())
     trained_at: dict[str, set[int]] = defaultdict(set)
     for line in (run / "ledger.jsonl").read_text().splitlines():
         event = json.loads(line)
         if event.get("state") == "trained":
             trained_at[event["slot_id"]].add(event["step"])
-    assert all(len(steps) == 1 for steps in trained_at.values()), trained_at
+    assert all(len(at) == 1 for at in trained_at.values()), trained_at
     # rollouts that were in flight at the kill ran again, at the same attempt (so with the same seed:
     # a kill is not the rollout's failure); their trajectories exist
     requeued = {json.loads(line)["slot_id"] for line in (run / "ledger.jsonl").read_text().splitlines()
@@ -91,6 +98,5 @@ def test_kill_9_then_resume_trains_every_sample_exactly_once(tmp_path):
         assert ledger.slots[sid].attempt == 0 and ledger.slots[sid].state == "trained"
     assert all((run / "rollouts" / f"{sid.replace('/', '--')}.json").exists()
                for sid, s in ledger.slots.items() if s.state == "trained")
-    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert sorted(set(steps)) == list(range(1, STEPS + 1))
-    assert (run / "checkpoints" / f"step-{STEPS:06d}" / "model" / "config.json").exists()
+    logged = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(set(logged)) == list(range(1, steps + 1))

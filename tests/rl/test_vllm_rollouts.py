@@ -1,10 +1,17 @@
-"""RL with rollouts on vLLM: the tiny model learns the toy task, and a `kill -9` of the vLLM server
-mid-run costs retried rollouts, never the job. Slow: a vLLM server start and a restart."""
+"""RL with rollouts on vLLM: the tiny model learns the toy task, a `kill -9` of the vLLM server
+mid-run costs retried rollouts, never the job, and a `kill -9` of the trainer resumes with every
+sample trained exactly once. Slow: each test
+starts vLLM servers of its own (the run's weights change, so the session's server cannot be shared)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +21,8 @@ from atelier.rl.config import TrainConfig
 from atelier.rl.ledger import Ledger
 from atelier.rl.run import run_training
 
+from tests.rl.test_resume import _wait_for_running, _wait_for_steps, assert_trained_exactly_once
+
 VLLM = ["inference.engine=vllm", "inference.vllm.enforce_eager=true", "inference.vllm.chunk_tokens=8",
         "inference.vllm.dtype=float32", "inference.vllm.max_model_len=512"]
 LEARN = ["trainer.steps=14", "trainer.lr=1e-2", "trainer.norm_tokens=128", "rollout.group_size=8",
@@ -21,13 +30,25 @@ LEARN = ["trainer.steps=14", "trainer.lr=1e-2", "trainer.norm_tokens=128", "roll
          "env.toy.tasks=64"]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(2400)  # a server start and a restart, each minutes on a loaded 2-core machine
-def test_tiny_model_learns_on_vllm_and_survives_kill_9_of_the_server(tmp_path):
+def _need_vllm() -> None:
     try:
         find_vllm_python(VLLMConfig())
     except VLLMUnavailable as exc:
         pytest.skip(f"the vLLM environment is absent ({exc.message}); `make vllm-env` builds it")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)  # a server start and a restart, each minutes on a loaded 2-core machine
+def test_tiny_model_learns_on_vllm_and_survives_kill_9_of_the_server(tmp_path):
+    _need_vllm()
     run_dir = tmp_path / "run"
     config = load_config(TrainConfig, None, ["model=tiny", *LEARN, *VLLM])  # tiny: built in vLLM's shape
     killed = []
@@ -47,3 +68,54 @@ def test_tiny_model_learns_on_vllm_and_survives_kill_9_of_the_server(tmp_path):
     counts = Ledger.load(run_dir / "ledger.jsonl").counts()
     assert counts["trained"] == 14 * 2 * 8 and counts["dropped"] == 0
     assert all(m["staleness_max"] <= 1 for m in summary.metrics)
+
+
+STEPS, GROUPS, SIZE = 4, 2, 2
+RESUME = [f"trainer.steps={STEPS}", f"rollout.groups_per_step={GROUPS}", f"rollout.group_size={SIZE}",
+          "rollout.workers=4", "rollout.max_tokens=8", "env.toy.tasks=40", "env.toy.env_latency_s=0.4",
+          "trainer.lr=1e-3"]
+
+
+def _train(*extra: str) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "atelier.cli.main", "train", *extra, "--quiet"]
+    for a in [*RESUME, *VLLM]:
+        argv += ["--set", a]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)  # two server starts (before and after the kill): minutes each here
+def test_tiny_recipe_on_vllm_resumes_after_kill_9_of_the_trainer(tmp_path):
+    """`atelier train` on vLLM killed with SIGKILL mid-run: its server group goes with it (the
+    watchdog), and `--resume` starts a new server from the last checkpoint's weights and trains
+    every sample exactly once; the tokens sampled after the resume carry the checkpoint's version."""
+    _need_vllm()
+    run = tmp_path / "run"
+    recipe = Path(__file__).parents[2] / "recipes" / "rl-tiny.toml"
+    proc = _train(str(recipe), "--run-dir", str(run))
+    _wait_for_steps(proc, run / "metrics.jsonl", 1, limit=1500)  # the server's start comes first
+    _wait_for_running(proc, run / "ledger.jsonl", limit=600)
+    server = int((run / "vllm" / "vllm-server.pid").read_text())
+    assert _alive(server)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = Ledger.load(run / "ledger.jsonl")
+    in_flight = {s.slot_id for s in before.in_state("running")}
+    assert in_flight  # async: rollouts were running when the trainer died
+    deadline = time.monotonic() + 120  # the watchdog polls every second; a loaded machine is slow
+    while _alive(server) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _alive(server), "the vLLM server outlived the trainer that started it"
+
+    resumed = _train("--resume", str(run))
+    out, err = resumed.communicate(timeout=1800)
+    assert resumed.returncode == 0, err[-3000:]
+    assert int((run / "vllm" / "vllm-server.pid").read_text()) != server  # a new server ran the rest
+    assert_trained_exactly_once(run, STEPS, GROUPS, SIZE, in_flight)
+    last = run / "checkpoints" / f"step-{STEPS:06d}" / "model" / "config.json"
+    assert last.exists()
+    # every sampled token carries a policy version the trainer had published by then
+    for path in (run / "rollouts").glob("*.json"):
+        for seg in json.loads(path.read_text())["segments"]:
+            assert all(0 <= v < STEPS for v, k in zip(seg["versions"], seg["loss_mask"]) if k)
