@@ -1,6 +1,6 @@
 """RL with rollouts on vLLM: the tiny model learns the toy task, a `kill -9` of the vLLM server
-mid-run costs retried rollouts, never the job, and a `kill -9` of the trainer resumes with every
-sample trained exactly once. Slow: each test
+mid-run costs retried rollouts, never the job, a `kill -9` of the trainer resumes with every sample
+trained exactly once, and the Ray launcher's inference actor runs a vLLM server. Slow: each test
 starts vLLM servers of its own (the run's weights change, so the session's server cannot be shared)."""
 
 from __future__ import annotations
@@ -43,6 +43,21 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def _vllm_servers_of(run: Path) -> set[int]:
+    """Pids of vLLM API servers whose command line names a model under `run`."""
+    found = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"vllm.entrypoints.openai.api_server" in cmd and any(str(run).encode() in a for a in cmd):
+            found.add(int(proc.name))
+    return found
 
 
 @pytest.mark.slow
@@ -119,3 +134,45 @@ def test_tiny_recipe_on_vllm_resumes_after_kill_9_of_the_trainer(tmp_path):
     for path in (run / "rollouts").glob("*.json"):
         for seg in json.loads(path.read_text())["segments"]:
             assert all(0 <= v < STEPS for v, k in zip(seg["versions"], seg["loss_mask"]) if k)
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'atelier-rl[ray]'")
+    if ray.is_initialized():
+        yield ray
+        return
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(2400)  # Ray's actors and a vLLM server start inside the inference actor
+def test_ray_launcher_samples_on_a_vllm_server_in_its_inference_actor(ray_instance, tmp_path):
+    """launcher=ray with inference.engine=vllm: the inference actor starts (and owns) one vLLM server;
+    weights reach it through the delta chain, and later groups sample at the new version."""
+    _need_vllm()
+    config = load_config(TrainConfig, None, [
+        "model=tiny", "launcher=ray", "sync.kind=delta", "sync.full_every=2", "trainer.steps=3",
+        "rollout.group_size=2", "rollout.groups_per_step=2", "rollout.max_tokens=8", "rollout.workers=4",
+        "env.toy.tasks=16", *VLLM])
+    servers: set[int] = set()
+
+    def on_step(record) -> None:  # the server runs the run's model, started by the actor
+        servers.update(_vllm_servers_of(tmp_path / "run"))
+
+    summary = run_training(config, tmp_path / "run", on_step=on_step)
+    assert servers, "no vLLM server ran the run's model"
+    deadline = time.monotonic() + 120  # closing the backend kills the actor; its server group follows
+    while any(_alive(p) for p in servers) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(_alive(p) for p in servers)
+    assert summary.steps == 3 and summary.ledger["trained"] == 3 * 2 * 2
+    assert [m["sync_kind"] for m in summary.metrics] == ["delta", "full", "delta"]
+    versions = set()
+    for path in (tmp_path / "run" / "rollouts").glob("*.json"):
+        for seg in json.loads(path.read_text())["segments"]:
+            versions |= {v for v, k in zip(seg["versions"], seg["loss_mask"]) if k}
+    assert versions >= {0, 1}  # the vLLM server took the published weights
