@@ -60,3 +60,15 @@ def vllm_engine(vllm_model_dir, tmp_path_factory: pytest.TempPathFactory):
                         max_model_len=1024)
     with VLLMEngine(vllm_model_dir, config, work_dir=tmp_path_factory.mktemp("vllm-work")) as engine:
         yield engine
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    """A local Ray instance for a module's `ray` tests; one an earlier module started is shared."""
+    ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'atelier-rl[ray]'")
+    if ray.is_initialized():
+        yield ray
+        return
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()

@@ -197,17 +197,6 @@ def test_ray_errors_are_sorted_at_the_seam():
     assert is_infra(remote_failure(infra_inside))
 
 
-@pytest.fixture(scope="module")
-def ray_instance():
-    ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'atelier-rl[ray]'")
-    if ray.is_initialized():
-        yield ray
-        return
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 @pytest.mark.ray
 @pytest.mark.slow   # starting Ray and its actor processes takes about a minute on 2 cores
 def test_a_bug_inside_a_ray_actor_stops_the_run_with_the_workers_traceback(ray_instance, tiny_model_dir, tmp_path):

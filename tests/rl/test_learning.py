@@ -50,17 +50,6 @@ def test_tiny_model_learns_the_toy_task(tiny_model_dir, tmp_path):
     assert mixed > 0
 
 
-@pytest.fixture(scope="module")
-def ray_instance():
-    ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'atelier-rl[ray]'")
-    if ray.is_initialized():
-        yield ray
-        return
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 @pytest.mark.ray
 @pytest.mark.slow
 def test_tiny_model_learns_the_toy_task_on_ray_with_the_delta_chain(ray_instance, tiny_model_dir, tmp_path):

@@ -136,17 +136,6 @@ def test_tiny_recipe_on_vllm_resumes_after_kill_9_of_the_trainer(tmp_path):
             assert all(0 <= v < STEPS for v, k in zip(seg["versions"], seg["loss_mask"]) if k)
 
 
-@pytest.fixture(scope="module")
-def ray_instance():
-    ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'atelier-rl[ray]'")
-    if ray.is_initialized():
-        yield ray
-        return
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.timeout(2400)  # Ray's actors and a vLLM server start inside the inference actor

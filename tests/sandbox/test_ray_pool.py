@@ -58,17 +58,6 @@ def test_host_errors_cross_with_their_type_and_hint(snapshot: Path, tmp_path: Pa
         host.shutdown()
 
 
-@pytest.fixture(scope="module")
-def ray_instance():
-    ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'atelier-rl[ray]'")
-    if ray.is_initialized():  # started by an earlier module: share it
-        yield ray
-        return
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 @pytest.mark.ray
 def test_remote_sandbox_roundtrip(ray_instance, snapshot: Path, host) -> None:
     with RaySandboxPool(CONFIG, max_live=2, warm=1, **CALM) as pool:
