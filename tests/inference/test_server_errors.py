@@ -92,6 +92,18 @@ def test_empty_messages_bad_sampling_and_long_prompts_are_400(served, oai):
     assert "empty prompt" in _error(_post(url, "/v1/generate", json={"prompt_ids": []}), 400)["message"]
 
 
+@pytest.mark.parametrize("field,value", [("temperature", "NaN"), ("temperature", "Infinity"),
+                                         ("top_p", "NaN"), ("seed", str(2**64)), ("stop", '[""]')])
+def test_values_the_sampler_cannot_use_are_400_not_a_failed_batch(served, field, value):
+    """Python's JSON parser takes NaN and Infinity; a NaN temperature that reached the engine would
+    fail every request batched with it, and a seed torch cannot take would be a 500."""
+    engine, url = served
+    body = f'{{"prompt": "x", "max_tokens": 2, "{field}": {value}}}'.encode()
+    error = _error(_post(url, "/v1/completions", content=body, headers={"content-type": "application/json"}), 400)
+    assert error["param"] == field
+    assert _post(url, "/v1/completions", json={"prompt": "x", "max_tokens": 2, "seed": 2**63}).status_code == 200
+
+
 def _hold_scheduler(engine):
     """Block the engine's scheduler inside a token callback; returns (release, handle)."""
     started, release = threading.Event(), threading.Event()

@@ -35,9 +35,9 @@ Errors a client causes answer a 4xx with OpenAI's error shape plus a hint,
 
 - 400: a body that is not JSON or not an object, a field of the wrong type, an
   empty `messages` list, `max_tokens` below 1 or above the model's context, a
-  prompt that does not fit the context, `temperature < 0`, `top_p` outside
-  (0, 1], `n != 1`, a chat template that cannot render the messages, bad
-  weights;
+  prompt that does not fit the context, a `temperature` below 0 or not finite,
+  `top_p` outside (0, 1], a `seed` wider than 64 bits, an empty stop string,
+  `n != 1`, a chat template that cannot render the messages, bad weights;
 - 404: a `model` that is not the one served (its name, its directory, or the
   directory's base name; leaving `model` out is fine);
 - 503 with `Retry-After`: more than `max_queue` requests already wait for the
@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import time
 import uuid
@@ -120,10 +121,17 @@ class _Sampling(BaseModel):
 
     def params(self, default_max: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if self.temperature < 0:
-            raise BadRequest(f"temperature must be >= 0, got {self.temperature}", param="temperature")
+        # Checked here, not in the engine: a value the sampler cannot use (NaN) would fail every
+        # request batched with this one, and a seed torch cannot take would fail as a 500.
+        if not 0 <= self.temperature < math.inf:
+            raise BadRequest(f"temperature must be a finite number >= 0, got {self.temperature}",
+                             param="temperature")
         if not 0 < self.top_p <= 1:
             raise BadRequest(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
+        if self.seed is not None and not -2**63 <= self.seed < 2**64:
+            raise BadRequest(f"seed must fit in 64 bits, got {self.seed}", param="seed")
+        if any(not s for s in stop):
+            raise BadRequest("stop strings must not be empty", param="stop")
         if self.n not in (None, 1):
             raise BadRequest(f"n={self.n} is not supported: this server returns one choice per request",
                              hint="send n separate requests (they are batched together)", param="n")
