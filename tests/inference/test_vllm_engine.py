@@ -221,6 +221,66 @@ def test_no_prefix_cache_hit_crosses_an_update(vllm_engine, hf_model):
     assert abs(got.logprobs[0] - recompute(hf_model, long_prompt, got.token_ids, 1.0)[0]) < 1e-4
 
 
+def _long_prompt(tok) -> list[int]:
+    return tok.encode("def decode(self, s, _w=WHITESPACE.match):\n" * 12)[:160]
+
+
+def _updated_like_a_fresh_model(engine, model, weights, check_prompt, *, temperature=0.7) -> None:
+    """The server's logprobs equal the trainer's recompute at `weights`, and its prefix cache was
+    dropped by the update that made them live (the long prompt was cached before it)."""
+    cached = engine.stats["cached_prompt_tokens"]
+    engine.generate(_long_prompt(engine.tokenizer), greedy(1))
+    assert engine.stats["cached_prompt_tokens"] == cached, "a prefix-cache hit crossed an update"
+    params = SamplingParams(max_tokens=2 * CHUNK, temperature=temperature, seed=21, stop_token_ids=NO_STOP)
+    got = engine.generate(check_prompt, params)
+    assert got.versions == [engine.version] * len(got.token_ids)
+    model.load_state_dict(weights)
+    want = recompute(model, check_prompt, got.token_ids, temperature)
+    assert max(abs(a - b) for a, b in zip(got.logprobs, want)) < 1e-4
+
+
+def test_a_partial_update_reaches_vllm_as_whole_fused_groups_with_the_tied_head(vllm_engine, hf_model):
+    """An update of only k_proj, up_proj and the (tied) embedding: vLLM loads q/k/v and gate/up as
+    one fused tensor each, so the engine must send q and v (gate) with the new k (up) from its copy
+    of the current weights, and the worker must re-derive the tied head from the new embedding.
+    A partial group, or a stale head, gives logprobs far from the recompute."""
+    prompt = prompts(vllm_engine.tokenizer)[2]
+    base = perturbed(hf_model, seed=6, scale=0.05)
+    vllm_engine.update_weights(base, vllm_engine.version + 1)  # a known starting point
+    vllm_engine.generate(_long_prompt(vllm_engine.tokenizer), greedy(1))  # cached under `base`
+    moved = perturbed(hf_model, seed=7, scale=0.2)
+    partial = {k: moved[k] for k in ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight",
+                                      "model.embed_tokens.weight")}
+    vllm_engine.update_weights(partial, vllm_engine.version + 1)
+    assert vllm_engine.stats["updates"][-1]["tensors"] == 6  # q, k, v + gate, up + embed
+    target = {**base, **partial, "lm_head.weight": partial["model.embed_tokens.weight"]}
+    _updated_like_a_fresh_model(vllm_engine, hf_model, target, prompt)
+
+
+@pytest.mark.parametrize("kind", ["inprocess", "delta"])
+def test_published_weights_reach_the_server_through_either_sync(vllm_engine, hf_model, tmp_path, kind):
+    """The rollout backend's path: the trainer publishes (in-process tensors, or the delta chain
+    on shared storage: a full snapshot, then a delta), the backend takes the reader's latest
+    weights into the running server; every update drops the prefix cache."""
+    from atelier.rl.backends import LocalBackend
+    from atelier.rl.weight_sync import make_weight_sync
+
+    sync = make_weight_sync(kind, tmp_path / "weights", full_every=1000)  # one full, then deltas
+    backend = LocalBackend(env=None, engine=vllm_engine, reader=sync.reader(), workers=1)
+    try:
+        first, second = vllm_engine.version + 1, vllm_engine.version + 2
+        for version, seed in ((first, 8), (second, 9)):
+            weights = perturbed(hf_model, seed=seed, scale=0.1)
+            stats = sync.publish(weights, version)
+            assert stats.kind == {"inprocess": "inprocess", "delta": "full" if version == first else "delta"}[kind]
+            vllm_engine.generate(_long_prompt(vllm_engine.tokenizer), greedy(1))  # cached before the update
+            backend.update_weights(version)
+            assert vllm_engine.version == version
+            _updated_like_a_fresh_model(vllm_engine, hf_model, weights, prompts(vllm_engine.tokenizer)[1])
+    finally:
+        backend.pool.shutdown(wait=True)  # not backend.close(): the session's engine stays open
+
+
 @pytest.mark.slow  # a second server start: minutes here; the default run checks updates against the trainer
 def test_updated_server_equals_a_fresh_one_and_survives_kill_9(vllm_engine, hf_model):
     """Push weights (tied head), then kill -9 the server: the restarted server starts fresh from
