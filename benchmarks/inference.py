@@ -38,8 +38,13 @@ engine's tokens/s over the better of transformers' two rows at batch 16.
 
 Usage: python benchmarks/inference.py [--model smollm2-135m|tiny|DIR] [--new-tokens 64]
        [--batches 1,16,64] [--threads 2] [--agents 4] [--turns 3] [--turn-tokens 32]
-       [--serve-clients 16] [--serve-prompt-tokens 3000] [--skip agent,serve,...] [--vllm-eager]
-In-process rows and sections run first, the vLLM rows last (each progress line goes to stderr).
+       [--serve-clients 16] [--serve-prompt-tokens 3000] [--skip agent,serve,...] [--only SECTIONS]
+       [--vllm-eager]
+Sections: throughput (the rows above), agent, weights (every engine's weight updates; a vLLM row
+with only this section starts its server, measures updates and skips the throughput), serve.
+`--only serve` measures `atelier serve`'s memory alone; `--only weights --rows vllm_fp32` one
+vLLM row's updates. In-process rows and sections run first, the vLLM rows last (each progress
+line goes to stderr).
 The default model is pulled into the cache if missing.
 """
 
@@ -202,14 +207,16 @@ def _vllm(ctx: Context, dtype: str) -> dict:
 
         run(ctx.prompts[:2])  # warm-up
         result = {"dtype": dtype, "server_start_s": round(start_s, 1), "chunk_tokens": engine.config.chunk_tokens,
-                  "enforce_eager": config.enforce_eager,
-                  **_throughput(run, ctx.prompts, ctx.args.batches)}
+                  "enforce_eager": config.enforce_eager}
+        if "throughput" not in ctx.args.skip:
+            result.update(_throughput(run, ctx.prompts, ctx.args.batches))
         if ctx.args.agents > 0 and "agent" not in ctx.args.skip:
             try:
                 result["agent"] = _vllm_agent(ctx, engine)
             except Exception as exc:  # reported, and the row's weight updates still run
                 result["agent"] = {"error": f"{type(exc).__name__}: {exc}"}
-        result["weight_update"] = _vllm_weight_update(ctx, engine)
+        if "weights" not in ctx.args.skip:
+            result["weight_update"] = _vllm_weight_update(ctx, engine)
         return result
 
 
@@ -474,6 +481,18 @@ def serve_memory(ctx: Context, dtype: str | None) -> dict:
         proc.wait(timeout=60)
 
 
+SECTIONS = ("throughput", "agent", "weights", "serve")
+
+
+def sections_to_skip(skip: str, only: str) -> set[str]:
+    """The sections not to run: those `--skip` names, or all but those `--only` names."""
+    named = [set(filter(None, x.split(","))) for x in (skip, only)]
+    unknown = (named[0] | named[1]) - set(SECTIONS)
+    if unknown:
+        raise SystemExit(f"unknown section(s) {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
+    return named[0] | (set(SECTIONS) - named[1] if named[1] else set())
+
+
 def _progress(name: str, value):
     """Print one section's result as it completes (with the load), for runs cut short; return it."""
     print(f"{name} (load {os.getloadavg()[0]:.1f}): {json.dumps(value)}", file=sys.stderr, flush=True)
@@ -496,10 +515,11 @@ def main() -> None:
     parser.add_argument("--serve-prompt-tokens", type=int, default=3000)
     parser.add_argument("--vllm-eager", action="store_true",
                         help="start vLLM without torch.compile (a first compile takes many minutes on a loaded CPU)")
-    parser.add_argument("--skip", default="", help="comma list of: agent, weights, serve")
+    parser.add_argument("--skip", default="", help=f"comma list of: {', '.join(SECTIONS)}")
+    parser.add_argument("--only", default="", help=f"comma list of: {', '.join(SECTIONS)}; skip the others")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
-    skip = args.skip = set(filter(None, args.skip.split(",")))
+    skip = args.skip = sections_to_skip(args.skip, args.only)
 
     import torch
     from transformers import AutoTokenizer
@@ -524,7 +544,7 @@ def main() -> None:
         names = list(filter(None, args.rows.split(",")))
         # The in-process rows and sections first, the vLLM servers (minutes to start, longer to
         # compile) last: a run cut short still has the target's rows.
-        for name in [n for n in names if not n.startswith("vllm")]:
+        for name in [n for n in names if not n.startswith("vllm") and "throughput" not in skip]:
             rows[name] = _progress(name, ROWS[name](ctx))
         ours, hf = rows.get(f"builtin_{'bf16' if default == 'bfloat16' else 'fp32'}"), \
             [r for k, r in rows.items() if k.startswith("transformers")]
@@ -546,7 +566,7 @@ def main() -> None:
         if "weights" not in skip:
             report["weight_update"] = [_progress("weight_update", weight_update(ctx, d))
                                        for d in ("float32", "bfloat16")]
-        for name in [n for n in names if n.startswith("vllm")]:
+        for name in [n for n in names if n.startswith("vllm") and not {"throughput", "agent", "weights"} <= skip]:
             rows[name] = _progress(name, ROWS[name](ctx))
         if "serve" not in skip:
             report["serve_memory"] = serve_memory(ctx, None)
