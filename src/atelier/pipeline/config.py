@@ -75,6 +75,10 @@ class SftStage(AtelierConfig):
     """A warm start on gold patches replayed through the harness's tools."""
 
     enabled: bool = True
+    replay: Literal["located", "gold"] = "located"
+    """How a gold patch is replayed: "located" finds the function the prompt names with grep and
+    reads from its definition (what a policy can do on a task it never saw); "gold" reads at the
+    patch's own line numbers (`atelier.pipeline.replays`)."""
     steps: int = Field(8, ge=1)
     seq_len: int = Field(2048, gt=1)
     micro_batch: int = Field(1, ge=1)

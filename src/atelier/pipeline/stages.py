@@ -32,7 +32,10 @@ progress events and samples the whole process tree's resident memory
 Every stage writes into its own directory of the run and is marked done in
 `stages.json` only when it finished; running the same command again skips
 finished stages and resumes the unfinished one (each of eval, SFT and RL
-resumes on its own). The run's configuration is frozen in `config.toml` at
+resumes on its own). A resumed stage's `wall_s` and `peak_rss_mb` cover all
+its starts (`starts`; the last one's time is `wall_s_last_start`), so
+the summary's time is what the stage cost, not what its last start did.
+The run's configuration is frozen in `config.toml` at
 the first start: a rerun with a different one is refused rather than mixing
 two recipes in one directory.
 """
@@ -67,15 +70,67 @@ class PipelineError(AtelierError):
 
 
 class _Ledger:
-    """`stages.json`: finished stages and what each produced."""
+    """`stages.json`: finished stages and what each produced; `stages-time.json`:
+    the wall time and peak memory of every start of each stage, so that a
+    stage resumed after a crash, Ctrl-C or `kill -9` reports the time of all
+    its starts, not only the last one's.
+
+    A start writes its time (`started`, epoch seconds) before the stage runs
+    and adds what it ran when it ends, fails or is interrupted. One killed
+    outright never does: the next start closes it at the last moment anything
+    of the stage was written (its directory or its log), a lower bound on the
+    time it ran."""
 
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / "stages.json"
+        self.time_path = run_dir / "stages-time.json"
         self.done: dict[str, dict[str, Any]] = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        self.time: dict[str, dict[str, Any]] = (json.loads(self.time_path.read_text())
+                                                if self.time_path.is_file() else {})
 
     def finish(self, stage: str, outputs: dict[str, Any]) -> None:
         self.done[stage] = outputs
         atomic_write(self.path, json.dumps(self.done, indent=1) + "\n")
+
+    def begin(self, stage: str, now: float, last_activity: float | None) -> None:
+        """Record a start of `stage` at `now`, closing a killed earlier one."""
+        t = self.time.setdefault(stage, {"earlier_s": 0.0, "starts": 0, "peak_rss_mb": None})
+        if "started" in t:
+            killed_at = last_activity if last_activity is not None else t["started"]
+            t["earlier_s"] += max(0.0, min(killed_at, now) - t.pop("started"))
+        t["starts"] += 1
+        t["started"] = now
+        self._write_time()
+
+    def end(self, stage: str, now: float, peak_rss_mb: int | None) -> tuple[float, float, int | None]:
+        """Close the running start: (wall time of all starts, of this one, peak of all)."""
+        t = self.time[stage]
+        this = max(0.0, now - t.pop("started"))
+        t["earlier_s"] += this
+        if peak_rss_mb is not None:
+            t["peak_rss_mb"] = max(peak_rss_mb, t.get("peak_rss_mb") or 0)
+        self._write_time()
+        return t["earlier_s"], this, t["peak_rss_mb"]
+
+    def _write_time(self) -> None:
+        atomic_write(self.time_path, json.dumps(self.time, indent=1) + "\n")
+
+
+def last_activity(run_dir: Path, stage: str) -> float | None:
+    """The latest modification time (epoch seconds) of anything `stage` wrote: its
+    directory in the run and its log; None if it wrote nothing."""
+    paths = [run_dir / "logs" / f"{stage}.log"]
+    stage_dir = run_dir / stage
+    if stage_dir.is_dir():
+        paths.append(stage_dir)
+        paths.extend(stage_dir.rglob("*"))
+    times = []
+    for path in paths:
+        try:
+            times.append(path.stat().st_mtime)
+        except OSError:
+            continue
+    return max(times, default=None)
 
 
 def run_pipeline(config: RunConfig, run_dir: str | Path, *, recipe_dir: str | Path = ".",
@@ -96,14 +151,20 @@ def run_pipeline(config: RunConfig, run_dir: str | Path, *, recipe_dir: str | Pa
                 continue
             say(f"[{stage}] ...")
             memory.reset()
-            start = time.perf_counter()
-            if config.isolate_stages and stage not in IN_PROCESS:
-                outputs = run_in_child(stage, run_dir, recipe_dir, say, progress)
-            else:
-                outputs = context.run(stage)
-            outputs["wall_s"] = round(time.perf_counter() - start, 1)
-            memory.sample()
-            outputs["peak_rss_mb"] = None if memory.peak is None else round(memory.peak / 2 ** 20)
+            ledger.begin(stage, time.time(), last_activity(run_dir, stage))
+            try:
+                if config.isolate_stages and stage not in IN_PROCESS:
+                    outputs = run_in_child(stage, run_dir, recipe_dir, say, progress)
+                else:
+                    outputs = context.run(stage)
+            finally:
+                memory.sample()
+                peak = None if memory.peak is None else round(memory.peak / 2 ** 20)
+                wall, this, peak = ledger.end(stage, time.time(), peak)
+            starts = ledger.time[stage]["starts"]
+            outputs.update(wall_s=round(wall, 1), peak_rss_mb=peak, starts=starts)
+            if starts > 1:
+                outputs["wall_s_last_start"] = round(this, 1)
             ledger.finish(stage, outputs)
             say(f"[{stage}] {_brief(outputs)}")
     return ledger.done
@@ -298,7 +359,7 @@ class _Context:
             return {"kept": 0, "skipped": True}
         out = self.run_dir / "sft-data"
         tasks = load_suite(self.output("tasks", "dir"), split="train")
-        policy = GoldReplay(self.output("model", "path"))
+        policy = GoldReplay(self.output("model", "path"), kind=self.config.sft.replay)
         cfg = EvalConfig(passes=1, concurrency=self.config.eval.concurrency, backend=self.config.tasks.backend)
         # A replay writes whole files in one turn: give it room the policy's turn budget may not.
         agent = self.agent_config
@@ -398,20 +459,27 @@ def rl_train_config(config: RunConfig, *, model: str, env: Any):
 class GoldReplay:
     """Per task, a scripted *token* model that replays the gold patch through
     the tools with the policy's tokenizer, so its trajectories carry token ids
-    and loss masks the SFT phase trains on directly."""
+    and loss masks the SFT phase trains on directly. `kind`: "located" (find
+    the named function with grep, read it, edit: `atelier.pipeline.replays`)
+    or "gold" (the harness's replay, which reads at the patch's line numbers)."""
 
     name = "gold-replay"
 
-    def __init__(self, model_path: str) -> None:
+    def __init__(self, model_path: str, kind: str = "located") -> None:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.kind = kind
 
     def for_task(self, task: Any) -> Any:
-        from atelier.eval.models import gold_texts
         from atelier.inference.scripted import ScriptedModel
+        from atelier.pipeline.replays import replay_script
 
-        return ScriptedModel(self.tokenizer, gold_texts(task), name=self.name)
+        def read_original(rel: str) -> str:
+            return (task.snapshot / rel).read_text(encoding="utf-8")
+
+        return ScriptedModel(self.tokenizer, replay_script(task.prompt, task.gold_patch, read_original, self.kind),
+                             name=self.name)
 
 
 def task_files(task: Any) -> set[str]:

@@ -12,8 +12,9 @@ from what the stages left on disk (never copied from a log line).
 - `rl`: the reward, pass-rate and zero-variance curves per optimizer step
   (from `rl/metrics.jsonl` and `rl/ledger.jsonl`); a group whose members all
   got the same reward has zero advantage and teaches nothing;
-- `wall_s` and `peak_rss_mb` per stage (from `stages.json`), and the run's
-  peak (the largest stage peak: stages run one after another).
+- `wall_s` and `peak_rss_mb` per stage (from `stages.json`), over every
+  start of a resumed stage (`stage_starts`), and the run's peak (the largest
+  stage peak: stages run one after another).
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ def build_summary(run_dir: Path, stages: dict[str, dict[str, Any]], *, measure: 
         "evaluations": evaluations,
         "rl": rl_curves(run_dir / "rl"),
         "wall_s": {s: o.get("wall_s") for s, o in stages.items()},
+        "stage_starts": {s: o.get("starts", 1) for s, o in stages.items() if "wall_s" in o},
         "wall_s_total": round(sum(o.get("wall_s") or 0.0 for o in stages.values()), 1),
         "peak_rss_mb": peaks,
         "peak_rss_mb_run": max(peaks.values(), default=None),
