@@ -28,6 +28,11 @@ Also measured, on the built-in engine:
   `update_weights` to the first token stamped with the new version, here a
   one-token request's); and the same from a delta-chain publish on disk
   (publish, rebuild, push, first token).
+- `long_decode`: decode at long context, in the default dtype: B requests
+  (default 16) with distinct ~C-token prompts (default 3,000) each decode K
+  greedy tokens (default 32) at once: decode tokens/s and ms per step,
+  counted from the step after the last prompt's prefill (what an agent's
+  later turns cost; attention over the cache dominates there, not weights).
 - `serve_memory`: peak resident memory (VmHWM) of an `atelier serve` process
   while C clients (default 16) each send one chat request with a ~3k-token
   prompt; target <= 2 GB for SmolLM2-135M.
@@ -38,10 +43,11 @@ engine's tokens/s over the better of transformers' two rows at batch 16.
 
 Usage: python benchmarks/inference.py [--model smollm2-135m|tiny|DIR] [--new-tokens 64]
        [--batches 1,16,64] [--threads 2] [--agents 4] [--turns 3] [--turn-tokens 32]
-       [--serve-clients 16] [--serve-prompt-tokens 3000] [--skip agent,serve,...] [--only SECTIONS]
-       [--vllm-eager]
-Sections: throughput (the rows above), agent, weights (every engine's weight updates; a vLLM row
-with only this section starts its server, measures updates and skips the throughput), serve.
+       [--serve-clients 16] [--serve-prompt-tokens 3000] [--long-batch 16] [--long-context 3000]
+       [--long-tokens 32] [--skip agent,serve,...] [--only SECTIONS] [--vllm-eager]
+Sections: throughput (the rows above), agent, long (decode at long context), weights (every
+engine's weight updates; a vLLM row with only this section starts its server, measures updates
+and skips the throughput), serve.
 `--only serve` measures `atelier serve`'s memory alone; `--only weights --rows vllm_fp32` one
 vLLM row's updates. In-process rows and sections run first, the vLLM rows last (each progress
 line goes to stderr).
@@ -421,6 +427,41 @@ def weight_update(ctx: Context, dtype: str) -> dict:
                 "publish_to_first_new_token_s": round(first_new[0] - published[0], 3) if first_new else None}
 
 
+# -- decode at long context ---------------------------------------------------------------
+def _long_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
+    """n distinct prompts of `length` tokens (this file's text from n offsets): no shared block."""
+    ids = tokenizer.encode(Path(__file__).read_text())
+    while len(ids) < length + 7 * n:
+        ids = ids + ids
+    return [ids[i * 7: i * 7 + length] for i in range(n)]
+
+
+def long_decode(ctx: Context, dtype: str) -> dict:
+    from atelier.inference.engine import LocalEngine
+    from atelier.inference.types import SamplingParams
+
+    a = ctx.args
+    B, C, K = a.long_batch, a.long_context, a.long_tokens
+    params = SamplingParams(max_tokens=K, temperature=0.0, stop_token_ids=(-1,))
+    with LocalEngine(ctx.path, device=a.device, dtype=dtype, max_batch=B,
+                     kv_cache_tokens=max(32768, B * (C + K + 64))) as engine:
+        engine.generate(ctx.prompts[0], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
+        times: list[list[float]] = [[] for _ in range(B)]
+        handles = [engine.submit(p, params, on_token=lambda *_, i=i: times[i].append(time.perf_counter()))
+                   for i, p in enumerate(_long_prompts(ctx.tokenizer, B, C))]
+        for h in handles:
+            h.result()
+        start = max(t[0] for t in times)          # every prompt is in: decode steps only from here
+        end = max(t[-1] for t in times)
+        tokens = sum(1 for t in times for x in t if x > start)
+        steps = max(sum(1 for x in t if x > start) for t in times)
+        return {"dtype": str(engine.dtype).removeprefix("torch."), "batch": B, "context_tokens": C,
+                "new_tokens": K, "decode_tokens": tokens, "decode_seconds": round(end - start, 2),
+                "decode_tokens_per_s": round(tokens / (end - start), 1) if end > start else None,
+                "ms_per_step": round(1000 * (end - start) / steps, 1) if steps else None,
+                "copied_rows": getattr(engine._forward, "stats", {}).get("copied_rows")}
+
+
 # -- atelier serve's memory ---------------------------------------------------------------
 def _vm(pid: int, field: str) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -481,7 +522,7 @@ def serve_memory(ctx: Context, dtype: str | None) -> dict:
         proc.wait(timeout=60)
 
 
-SECTIONS = ("throughput", "agent", "weights", "serve")
+SECTIONS = ("throughput", "agent", "long", "weights", "serve")
 
 
 def sections_to_skip(skip: str, only: str) -> set[str]:
@@ -515,6 +556,9 @@ def main() -> None:
     parser.add_argument("--serve-prompt-tokens", type=int, default=3000)
     parser.add_argument("--vllm-eager", action="store_true",
                         help="start vLLM without torch.compile (a first compile takes many minutes on a loaded CPU)")
+    parser.add_argument("--long-batch", type=int, default=16)
+    parser.add_argument("--long-context", type=int, default=3000)
+    parser.add_argument("--long-tokens", type=int, default=32)
     parser.add_argument("--skip", default="", help=f"comma list of: {', '.join(SECTIONS)}")
     parser.add_argument("--only", default="", help=f"comma list of: {', '.join(SECTIONS)}; skip the others")
     args = parser.parse_args()
@@ -563,6 +607,8 @@ def main() -> None:
                                "runs": runs,
                                "identical_with_and_without_cache": replies[(default, True)] == replies[(default, False)],
                                "cache_speedup": round(runs[0]["seconds"] / runs[1]["seconds"], 2)}
+        if "long" not in skip:
+            report["long_decode"] = _progress("long_decode", long_decode(ctx, default))
         if "weights" not in skip:
             report["weight_update"] = [_progress("weight_update", weight_update(ctx, d))
                                        for d in ("float32", "bfloat16")]

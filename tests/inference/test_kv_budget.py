@@ -121,4 +121,4 @@ def test_bf16_is_the_default_where_the_cpu_has_it(spiky_model_dir):
     assert pick_dtype("cpu", None) == want == pick_dtype("cpu", "auto")
     assert pick_dtype("cpu", "float32") == torch.float32  # overridable
     with LocalEngine(spiky_model_dir, max_batch=2, kv_cache_tokens=256) as engine:
-        assert engine.dtype == want and engine._forward.kv.k_LPSHD.dtype == want
+        assert engine.dtype == want and engine._forward.kv.k_LHRD.dtype == want

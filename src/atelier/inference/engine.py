@@ -498,7 +498,7 @@ class LocalEngine:
                 blocked = True
                 continue
             hits = self.pool.match(keys[:n])
-            new = self.pool.allocate(-(-len(context) // S) - n)
+            new = self.pool.allocate(-(-len(context) // S) - n, after=hits[-1] if hits else None)
             if new is None:  # the KV budget is full: wait for blocks to come back
                 self.pool.release(hits)
                 rest.append(request)
@@ -536,10 +536,9 @@ class LocalEngine:
             short = [r for r in self._active if r.length // KV_BLOCK >= len(r.blocks)]
             if not short:
                 return
-            got = self.pool.allocate(len(short))
-            if got is not None:
-                for request, block in zip(short, got):
-                    request.blocks.append(block)
+            if self.pool.available >= len(short):
+                for request in short:  # each right after its last block when that one is free
+                    request.blocks += self.pool.allocate(1, after=request.blocks[-1])
                 return
             if len(self._active) == 1:
                 raise EngineError("the KV budget cannot hold one sequence",

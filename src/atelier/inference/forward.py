@@ -9,27 +9,44 @@ head: so the weights and any `update_weights` live in the HF model) and does
 only the attention and the cache itself.
 
 Cache layout (`PagedKV`): one tensor each for keys and values,
-`[L, P, S, Hkv, D]`, P blocks of S positions, allocated once at the engine's
-budget. A sequence's positions live in the blocks of its *block table*
-(position p in block `table[p // S]`, row `p % S`); which blocks a sequence
-owns is the engine's business (`prefix_cache.BlockPool`). Prefill runs all new
-tokens of all sequences as one flat batch (no padding) and attends per
-sequence; decode gathers each sequence's blocks into one padded
-`[B, Hkv, T, D]` per layer and runs one `scaled_dot_product_attention`.
+`[L, Hkv, R, D]` with R = P * S rows, P blocks of S positions, allocated once
+at the engine's budget. A sequence's positions live in the blocks of its
+*block table* (position p in row `table[p // S] * S + p % S`); which blocks a
+sequence owns is the engine's business (`prefix_cache.BlockPool`, which hands
+a sequence consecutive blocks when it can). Prefill runs all new tokens of all
+sequences as one flat batch (no padding) and attends per sequence; decode
+attends per sequence too, straight from the pool.
+
+Decode attention reads the cache in place: one head's keys of consecutive
+blocks are one contiguous `[T, D]` stretch of the pool (head-major layout), so
+for a sequence whose blocks are consecutive (what the pool's allocator aims
+for) attention is two matrix products and a softmax over views, with nothing
+padded to the longest sequence and no copy of the cache. A table of a few
+runs (a shared prefix-cache prefix, then the sequence's own blocks) is joined
+into one buffer, many runs are gathered in one op; either way the keys are
+laid out as for one run, so a request's logprobs do not depend on where its
+blocks happen to be. Scores and values are fp32: bf16 keys are widened as
+they are read, which was faster here than bf16 products for 3 query rows per
+head, and more exact. Each row's attention depends on its own sequence only.
+
+Measured on SmolLM2-135M in bf16, batch 16 at ~3k positions, CPU time per
+layer on this 2-core machine: the earlier design (gather every block table
+into a padded `[B, Hkv, T, D]` copy, then one masked
+`scaled_dot_product_attention`) took 92 ms, 17 of them the gather and most of
+the rest SDPA's CPU kernel, which is slow for one query position; products
+over views take 22 ms.
 
 Cost per decoder layer and step (what makes a step cheap on a CPU, where
 every multi-threaded op pays a synchronisation however small it is): q/k/v
 and gate/up run as one matmul each over fused weights whose slices *are* the
 model's parameters (so `update_weights` needs no extra step), RMSNorm is one
-fused op, the new keys and values go into the cache with one `index_copy_`
-each (advanced-index assignment was ~100x slower), and attention is one
-`scaled_dot_product_attention` per step (per sequence in a prefill).
+fused op, and the new keys and values go into the cache with one `index_copy_`
+each (advanced-index assignment was ~100x slower).
 
 Shape legend: B batch (sequences), N new tokens in a prefill (all sequences, flat),
-T key positions, L layers, P pool blocks, S positions per block, J blocks per
-sequence in a batch's block tables, H query heads,
-Hkv key/value heads, X = H + 2 Hkv fused q/k/v heads, D head dim, M model
-width, V vocabulary.
+T key positions, L layers, P pool blocks, S positions per block, R = P * S pool
+rows, H query heads, Hkv key/value heads, G = H / Hkv query heads per key/value
+head, X = H + 2 Hkv fused q/k/v heads, D head dim, M model width, V vocabulary.
 
 Supported: `model_type` in `SUPPORTED_TYPES` (Llama, Mistral and Mixtral
 without a sliding window, Qwen2). Others raise `UnsupportedModel` when
@@ -48,12 +65,34 @@ and `routes(table, n)` gives a sequence's experts for positions 0..n-1
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
 from atelier.errors import AtelierError
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "mixtral")
+MAX_RUNS = 4
+"""Attention over a block table of more runs than this gathers its rows in one op instead."""
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """Run the block on the calling thread alone (torch's thread count is per thread, so other
+    threads, e.g. a trainer's, keep theirs). Decode attention is many small products, one
+    sequence at a time: split over threads, each pays a synchronisation that costs more than the
+    work, and far more when another process holds a core (measured here at batch 16, ~3k
+    positions: 23 ms of CPU per layer on one thread, 159 ms on two under load)."""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 class UnsupportedModel(AtelierError):
@@ -101,22 +140,36 @@ def _fuse(module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | 
     return fused[0], fused[1]
 
 
+def runs(table: list[int], n: int, block: int) -> list[tuple[int, int]]:
+    """Positions `0:n` of a sequence with block table `table` as `(first row, length)` runs of
+    consecutive pool rows: one run when its blocks are consecutive, one per jump otherwise."""
+    out: list[tuple[int, int]] = []
+    for j in range((n + block - 1) // block):
+        length = min(block, n - j * block)
+        row = table[j] * block
+        if out and out[-1][0] + out[-1][1] == row:
+            out[-1] = (out[-1][0], out[-1][1] + length)
+        else:
+            out.append((row, length))
+    return out
+
+
 class PagedKV:
     """Keys and values of every layer in `blocks` blocks of `block` positions: the engine's whole
-    KV memory, allocated once (zeroed, so any block is safe to read as masked-out padding).
+    KV memory, allocated once (zeroed, so any block is safe to read).
 
-    Layout `[L, P, S, Hkv, D]`: one position's keys for all heads are contiguous, so a decode
-    step writes each new key with one `index_copy_` row and a gather of a batch's block tables
-    views as `[B, T, Hkv, D]` without a second copy.
+    Layout `[L, Hkv, R, D]`, row `b * S + o` for offset o of block b: one head's keys of
+    consecutive blocks are one contiguous `[T, D]` stretch, so attention over a run of a block
+    table reads the pool in place (see the module docstring).
     """
 
     @torch.inference_mode()
     def __init__(self, layers: int, blocks: int, block: int, kv_heads: int, head_dim: int, dtype, device,
                  routes: tuple[int, int] | None = None) -> None:
-        shape = (layers, blocks, block, kv_heads, head_dim)
+        shape = (layers, kv_heads, blocks * block, head_dim)
         self.block = block
-        self.k_LPSHD = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_LPSHD = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_LHRD = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_LHRD = torch.zeros(shape, dtype=dtype, device=device)
         # MoE only: (moe layers, k) -> int16 expert ids per position row, -1 = not computed
         self.routes_RLk = None if routes is None else torch.full((blocks * block, *routes), -1, dtype=torch.int16,
                                                                   device=device)
@@ -124,7 +177,7 @@ class PagedKV:
     @property
     def nbytes(self) -> int:
         extra = 0 if self.routes_RLk is None else self.routes_RLk.numel() * 2
-        return 2 * self.k_LPSHD.numel() * self.k_LPSHD.element_size() + extra
+        return 2 * self.k_LHRD.numel() * self.k_LHRD.element_size() + extra
 
     def rows(self, table: list[int], start: int, end: int) -> list[int]:
         """Flat position rows (block * S + offset) of positions `start:end` of a sequence."""
@@ -161,6 +214,7 @@ class BatchedForward:
                             for layer in self.layers]
         param = next(hf_model.parameters())
         self.router = None
+        self.stats = {"copied_rows": 0}   # see _keys
         if not all(g is not None for g in self.gate_up):
             from atelier.moe.replay import RouterReplay
 
@@ -178,7 +232,7 @@ class BatchedForward:
 
     @property
     def device(self) -> torch.device:
-        return self.kv.k_LPSHD.device
+        return self.kv.k_LHRD.device
 
     def _rope(self, x_BTM: torch.Tensor, pos_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos_BTD, sin_BTD = self.core.rotary_emb(x_BTM, pos_BT)
@@ -220,18 +274,44 @@ class BatchedForward:
     def _logits(self, h_BM: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(_norm(self.core.norm, h_BM)).float()
 
-    def _store(self, i: int, rows_N: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor) -> None:
-        Hkv, D = self.kv_heads, self.head_dim
-        self.kv.k_LPSHD[i].view(-1, Hkv, D).index_copy_(0, rows_N, k_NHD)
-        self.kv.v_LPSHD[i].view(-1, Hkv, D).index_copy_(0, rows_N, v_NHD)
+    def _store(self, i: int, rows_N: torch.Tensor, k_HND: torch.Tensor, v_HND: torch.Tensor) -> None:
+        self.kv.k_LHRD[i].index_copy_(1, rows_N, k_HND)
+        self.kv.v_LHRD[i].index_copy_(1, rows_N, v_HND)
 
-    def _gather(self, i: int, table_BJ: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of positions `0:T` of each row's block table: two `[B, Hkv, T, D]` views."""
-        B, J = table_BJ.shape
-        S, Hkv, D = self.kv.block, self.kv_heads, self.head_dim
-        k = self.kv.k_LPSHD[i][table_BJ].view(B, J * S, Hkv, D)[:, :T].transpose(1, 2)
-        v = self.kv.v_LPSHD[i][table_BJ].view(B, J * S, Hkv, D)[:, :T].transpose(1, 2)
-        return k, v
+    def _plan(self, table: list[int], n: int) -> list[tuple[int, int]] | torch.Tensor:
+        """Where positions `0:n` of a sequence live: its runs, or (past `MAX_RUNS`) its rows."""
+        spans = runs(table, n, self.kv.block)
+        if len(spans) <= MAX_RUNS:
+            return spans
+        return torch.cat([torch.arange(r, r + k) for r, k in spans]).to(self.device)
+
+    def _keys(self, i: int, plan, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's keys and values `[Hkv, T, D]` of a planned sequence, in `dtype`: a view of the
+        pool when its blocks are one run (and `dtype` is the cache's), else one copy, laid out the
+        same whatever the runs, so the values and the products over them are the same bit for bit.
+        `stats["copied_rows"]` counts the rows copied because a table was not one run."""
+        k_HRD, v_HRD = self.kv.k_LHRD[i], self.kv.v_LHRD[i]
+        if isinstance(plan, torch.Tensor):
+            self.stats["copied_rows"] += plan.numel()
+            return k_HRD.index_select(1, plan).to(dtype), v_HRD.index_select(1, plan).to(dtype)
+        if len(plan) == 1:
+            r, n = plan[0]
+            return k_HRD[:, r:r + n].to(dtype), v_HRD[:, r:r + n].to(dtype)
+        T = sum(n for _, n in plan)
+        self.stats["copied_rows"] += T
+        k_HTD = k_HRD.new_empty((k_HRD.shape[0], T, k_HRD.shape[2]), dtype=dtype)
+        v_HTD = torch.empty_like(k_HTD)
+        at = 0
+        for r, n in plan:
+            k_HTD[:, at:at + n].copy_(k_HRD[:, r:r + n])
+            v_HTD[:, at:at + n].copy_(v_HRD[:, r:r + n])
+            at += n
+        return k_HTD, v_HTD
+
+    @staticmethod
+    def _attend_one(q_HGD: torch.Tensor, k_HTD: torch.Tensor, v_HTD: torch.Tensor) -> torch.Tensor:
+        """One sequence's attention for its G query heads per key/value head, all fp32 (q scaled)."""
+        return torch.matmul(torch.softmax(torch.matmul(q_HGD, k_HTD.transpose(1, 2)), dim=-1), v_HTD)
 
     @torch.inference_mode()
     def prefill(self, seqs: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
@@ -241,7 +321,7 @@ class BatchedForward:
         Positions before `start` must already be in the sequence's blocks (a prefix-cache hit or
         an earlier computation). The sequences' new tokens run as one flat batch (no padding) for
         every matrix multiply; attention runs per sequence: causal over its own new keys when it
-        starts at 0, else over its blocks, gathered.
+        starts at 0, else over its blocks (in place when they are consecutive, else gathered).
         """
         H, Hkv, D = self.heads, self.kv_heads, self.head_dim
         ids, pos, rows, spans = [], [], [], []
@@ -260,23 +340,21 @@ class BatchedForward:
             if start == 0:
                 plans.append((off, n, None, None))
                 continue
-            blocks = (start + n + self.kv.block - 1) // self.kv.block
-            table_1J = torch.tensor(table[:blocks], dtype=torch.long, device=dev)[None]
             mask_1NT = torch.arange(start + n, device=dev)[None, :] <= torch.arange(start, start + n, device=dev)[:, None]
-            plans.append((off, n, table_1J, mask_1NT[None]))
+            plans.append((off, n, self._plan(table, start + n), mask_1NT[None]))
 
         def attend(i, q, k, v):
-            self._store(i, rows_N, k[0].transpose(0, 1), v[0].transpose(0, 1))
+            self._store(i, rows_N, k[0], v[0])
             outs = []
-            for off, n, table_1J, mask in plans:
+            for off, n, plan, mask in plans:
                 q_b = q[:, :, off:off + n]
-                if table_1J is None:
+                if plan is None:
                     out = F.scaled_dot_product_attention(q_b, k[:, :, off:off + n], v[:, :, off:off + n],
                                                          is_causal=True, scale=self.scaling, enable_gqa=True)
                 else:
-                    kg, vg = self._gather(i, table_1J, mask.shape[-1])
-                    out = F.scaled_dot_product_attention(q_b, kg, vg, attn_mask=mask, scale=self.scaling,
-                                                         enable_gqa=True)
+                    kg, vg = self._keys(i, plan, q.dtype)
+                    out = F.scaled_dot_product_attention(q_b, kg[None], vg[None], attn_mask=mask,
+                                                         scale=self.scaling, enable_gqa=True)
                 outs.append(out)
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
@@ -291,27 +369,26 @@ class BatchedForward:
         block table `tables[b]` (which must cover that position). Returns next-token logits [B, V]
         (fp32).
 
-        Attention reads each sequence's blocks gathered into one padded `[B, Hkv, T, D]` per
-        layer (T the longest sequence; shorter rows are masked, their padding blocks are any
-        block, since the pool is never uninitialised memory).
+        Attention runs per sequence over its own positions, read from the pool in place (runs of
+        consecutive blocks; see the module docstring): nothing is padded or copied.
         """
         B = len(tokens)
         S = self.kv.block
-        T = max(positions) + 1
-        J = (T + S - 1) // S
+        H, Hkv, D = self.heads, self.kv_heads, self.head_dim
         dev = self.device
-        table_BJ = torch.tensor([t[:J] + [0] * (J - len(t[:J])) for t in tables], dtype=torch.long, device=dev)
         ids_B1 = torch.tensor(tokens, dtype=torch.long, device=dev)[:, None]
         pos_B1 = torch.tensor(positions, dtype=torch.long, device=dev)[:, None]
         rows_B = torch.tensor([t[p // S] * S + p % S for t, p in zip(tables, positions)], dtype=torch.long,
                               device=dev)
-        mask_B11T = (torch.arange(T, device=dev)[None, :] <= pos_B1)[:, None, None, :]
+        plans = [self._plan(t, p + 1) for t, p in zip(tables, positions)]
 
         def attend(i, q, k, v):
-            self._store(i, rows_B, k[:, :, 0], v[:, :, 0])
-            kg, vg = self._gather(i, table_BJ, T)
-            return F.scaled_dot_product_attention(q, kg, vg, attn_mask=mask_B11T, scale=self.scaling,
-                                                  enable_gqa=True)
+            self._store(i, rows_B, k[:, :, 0].transpose(0, 1), v[:, :, 0].transpose(0, 1))
+            q_BHGD = (q[:, :, 0].float() * self.scaling).view(B, Hkv, H // Hkv, D)
+            with _one_thread():
+                outs = [self._attend_one(q_BHGD[b], *self._keys(i, plan, torch.float32))
+                        for b, plan in enumerate(plans)]
+            return torch.stack(outs).view(B, H, 1, D).to(q.dtype)
 
         x_B1M = self._layers(self.core.embed_tokens(ids_B1), pos_B1, attend)
         self._record_routes(rows_B)

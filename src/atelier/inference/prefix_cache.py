@@ -40,6 +40,7 @@ pool: it is not locked.
 from __future__ import annotations
 
 import hashlib
+import re
 from array import array
 from collections import OrderedDict
 
@@ -62,6 +63,13 @@ class BlockPool:
     the engine's KV tensors. A block is *free* (in no sequence, not registered),
     *used* (held by one or more sequences) or *idle* (registered, held by none).
     `allocate` takes free blocks first, then evicts idle ones.
+
+    Placement: the engine's attention reads a sequence's keys in place when its blocks are
+    consecutive (`forward.py`), so `allocate(n, after=b)` continues right after block `b` while
+    those blocks are free, and otherwise starts in the middle of the longest free stretch, or at
+    its start when it begins the pool (a new sequence leaves room to grow both to whatever
+    sequence ends just before the stretch and to itself). Any free block is still used when
+    memory is tight: placement only decides which, never whether.
     """
 
     def __init__(self, num_blocks: int, block: int = 32, cache_blocks: int | None = None) -> None:
@@ -70,7 +78,8 @@ class BlockPool:
         self.block = block
         self.num_blocks = num_blocks
         self.max_blocks = num_blocks if cache_blocks is None else max(0, min(cache_blocks, num_blocks))
-        self._free = list(range(num_blocks - 1, -1, -1))   # a stack: low ids first
+        self._is_free = bytearray(b"\x01") * num_blocks
+        self._nfree = num_blocks
         self._refs = [0] * num_blocks
         self._by_key: OrderedDict[bytes, int] = OrderedDict()  # registered blocks, least recent first
         self._key_of: dict[int, bytes] = {}
@@ -95,32 +104,44 @@ class BlockPool:
     @property
     def available(self) -> int:
         """Blocks an allocation could get now: free ones plus idle registered ones."""
-        return len(self._free) + sum(1 for b in self._by_key.values() if self._refs[b] == 0)
+        return self._nfree + sum(1 for b in self._by_key.values() if self._refs[b] == 0)
 
     # -- allocation -----------------------------------------------------------------
-    def allocate(self, n: int) -> list[int] | None:
-        """`n` blocks for one sequence (reference count 1), or None, taking nothing, if the pool
-        cannot supply them."""
+    def allocate(self, n: int, after: int | None = None) -> list[int] | None:
+        """`n` blocks for one sequence (reference count 1), consecutive where possible and right
+        after block `after` when that is free, or None, taking nothing, if the pool cannot supply
+        them."""
         if n <= 0:
             return []
         if n > self.available:
             return None
-        out = []
+        out: list[int] = []
+        at = None if after is None else after + 1
         while len(out) < n:
-            if not self._free:
-                self._evict_idle()
-            b = self._free.pop()
-            self._refs[b] = 1
-            out.append(b)
+            if at is None or at >= self.num_blocks or not self._is_free[at]:
+                if not self._nfree:
+                    self._evict_idle()
+                at = self._place(n - len(out))
+            self._is_free[at] = 0
+            self._nfree -= 1
+            self._refs[at] = 1
+            out.append(at)
+            at += 1
         self._note_peak()
         return out
+
+    def _place(self, n: int) -> int:
+        """Where a new run of `n` blocks starts: see the class docstring."""
+        start, length = max(((m.start(), m.end() - m.start()) for m in re.finditer(b"\x01+", self._is_free)),
+                            key=lambda run: run[1])
+        return start if start == 0 or length <= n else start + (length - n) // 2
 
     def release(self, blocks: list[int]) -> None:
         """Drop one reference to each block; unreferenced unregistered blocks become free."""
         for b in blocks:
             self._refs[b] -= 1
             if self._refs[b] == 0 and b not in self._key_of:
-                self._free.append(b)
+                self._mark_free(b)
 
     # -- prefix cache ---------------------------------------------------------------
     def keys_for(self, prompt: list[int]) -> list[bytes]:
@@ -178,7 +199,11 @@ class BlockPool:
         b = self._by_key.pop(key)
         del self._key_of[b]
         if self._refs[b] == 0:
-            self._free.append(b)
+            self._mark_free(b)
+
+    def _mark_free(self, b: int) -> None:
+        self._is_free[b] = 1
+        self._nfree += 1
 
     def _evict_idle(self) -> None:
         for key, b in self._by_key.items():  # least recently used first
@@ -192,5 +217,5 @@ class BlockPool:
             self._by_key.move_to_end(key)
 
     def _note_peak(self) -> None:
-        used = self.num_blocks - len(self._free)  # held or idle-registered: what the pool's memory holds
+        used = self.num_blocks - self._nfree  # held or idle-registered: what the pool's memory holds
         self.peak_used = max(self.peak_used, used)
