@@ -71,6 +71,7 @@ def test_located_script_finds_reads_edits_submits() -> None:
     assert read == ("read_file", {"path": "pkg/shapes.py", "start_line": 10, "end_line": 33})
     assert [name for name, _ in edits] == ["edit_file"]
     old, new = edits[0][1]["old_string"], edits[0][1]["new_string"]
+    assert (old, new) == ("if x < hi:", "if x > hi:")   # trimmed: the text read_file shows
     assert SOURCE.count(old) == 1 and SOURCE.replace(old, new) == SOURCE.replace("x < hi", "x > hi")
     assert submit[0] == "submit"
 
@@ -100,3 +101,14 @@ def test_a_resumed_stage_counts_the_time_of_every_start(tmp_path: Path) -> None:
     assert reopened.end("sft", 5050.0, 300) == (450.0, 50.0, 500)
     saved = json.loads((tmp_path / "stages-time.json").read_text())["sft"]
     assert saved["starts"] == 3 and "started" not in saved
+
+
+def test_trim_edit_keeps_the_same_change_and_uniqueness() -> None:
+    from atelier.pipeline.replays import trim_edit
+
+    old, new = "        if x < hi:\n", "        if x > hi:\n"
+    assert trim_edit(SOURCE, old, new) == ("if x < hi:", "if x > hi:")
+    # Not unique once trimmed ("return x" is also the function's last line): kept as given.
+    assert trim_edit(SOURCE, "        return x\n", "        return -x\n") == ("        return x\n", "        return -x\n")
+    # Trimming that would change what the edit makes (the indentation differs): kept as given.
+    assert trim_edit(SOURCE, "        if x < hi:\n", "    if x < hi:\n") == ("        if x < hi:\n", "    if x < hi:\n")

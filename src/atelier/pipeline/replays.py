@@ -17,7 +17,8 @@ code with the tools, in three turns (the demo's turn budget) and a fourth to sub
    the change lies further down), the line number taken from turn 1's
    output;
 3. the gold patch's `edit_file` calls (old strings widened until unique, as
-   the harness's replay makes them);
+   the harness's replay makes them, then trimmed of the indentation and line
+   end old and new share where the rest stays unique: `trim_edit`);
 4. `submit`. An episode cut at three turns is graded all the same: the
    edit is what counts, and the edit turn alone fits a 192-token turn.
 
@@ -91,13 +92,42 @@ def located_script(prompt: str, patch: str, read_original: Callable[[str], str],
         return None
     pattern, line = found
     end = max(line + window - 1, last + 2)
-    edits = gold_patch_calls(patch, read_original)[-1]
+    edits = _trimmed(gold_patch_calls(patch, read_original)[-1], read_original(path))
     return [
         format_call("grep", {"pattern": pattern, "path": path}),
         format_call("read_file", {"path": path, "start_line": line, "end_line": end}),
         "\n".join(format_call(n, a) for n, a in edits),
         format_call("submit", {"message": SUBMIT_MESSAGE}),
     ]
+
+
+def trim_edit(current: str, old: str, new: str) -> tuple[str, str]:
+    """`old` and `new` without the indentation and line end they share, when
+    the shorter `old` is still unique in `current` and the edit then makes the
+    same file; else as given (pure).
+
+    Measured on the untrimmed located replays: after 8 SFT steps, 8 of 8
+    held-out attempts wrote an `edit_file` and none applied; 3 missed only by
+    whitespace (4 spaces of indentation for 8, and a newline written as a
+    literal backslash-n). The trimmed old string is the code exactly as
+    `read_file` shows it after the line number's tab, with nothing to count."""
+    short_old, short_new = old.strip(), new.strip()
+    if not short_old or short_old == short_new or current.count(short_old) != 1:
+        return old, new
+    if current.replace(short_old, short_new, 1) != current.replace(old, new, 1):
+        return old, new
+    return short_old, short_new
+
+
+def _trimmed(calls: list[tuple[str, dict]], original: str) -> list[tuple[str, dict]]:
+    current, out = original, []
+    for name, args in calls:
+        if name == "edit_file":
+            old, new = trim_edit(current, args["old_string"], args["new_string"])
+            current = current.replace(args["old_string"], args["new_string"], 1)
+            args = {**args, "old_string": old, "new_string": new}
+        out.append((name, args))
+    return out
 
 
 def replay_script(prompt: str, patch: str, read_original: Callable[[str], str], kind: str = "located") -> list[str]:
