@@ -423,31 +423,50 @@ def test_a_run_reattaching_by_url_serves_its_own_weights(vllm_engine, vllm_model
     vllm_engine.update_weights(other, vllm_engine.version + 1)  # the server again holds what its engine records
 
 
-def test_a_server_group_dies_with_atelier(tmp_path):
-    """`kill -9` of the process that started a server (the trainer) takes the server's whole group
-    with it: the watchdog `VLLMServer` starts in it. A `sleep` stands in for vLLM's processes."""
+@pytest.mark.parametrize("killer", ["kill -9 of atelier", "Ray's cleanup of a dead actor"])
+def test_a_server_group_dies_with_atelier(killer):
+    """`kill -9` of the process that started a server (the trainer, an inference actor) takes the
+    server's whole group with it: the watchdog `VLLMServer` starts in it. Ray also SIGKILLs a dead
+    actor's direct children (the server's leader): the leader's own child (vLLM's engine core and
+    workers) must die too. Shell and `sleep` processes stand in for vLLM's."""
     import subprocess
     import sys
 
     script = (
         "import subprocess, sys\n"
         "from atelier.inference.vllm_server import in_group, start_watchdog\n"
-        "leader = subprocess.Popen(['sleep', '600'], **in_group(0))\n"
+        "leader = subprocess.Popen(['sh', '-c', 'sleep 600 & echo $!; wait'], stdout=subprocess.PIPE, text=True,\n"
+        "                          **in_group(0))\n"
+        "grandchild = int(leader.stdout.readline())\n"
         "child = subprocess.Popen(['sleep', '600'], **in_group(leader.pid))\n"
         "start_watchdog(leader.pid)\n"
-        "print(leader.pid, child.pid, flush=True)\n"
+        "print(leader.pid, child.pid, grandchild, flush=True)\n"
         "import time; time.sleep(600)\n"
     )
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     pids = [int(p) for p in parent.stdout.readline().split()]
-    assert len(pids) == 2 and all(_alive(p) for p in pids)
-    os.kill(parent.pid, signal.SIGKILL)
+    assert len(pids) == 3 and all(_alive(p) for p in pids)
+    victims = [parent.pid] + (_children(parent.pid) if killer.startswith("Ray") else [])
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
     parent.wait()
     deadline = time.monotonic() + 60
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(_alive(p) for p in pids)
+    assert not any(_alive(p) for p in pids), [p for p in pids if _alive(p)]
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry))
+        except OSError:
+            continue
+    return out
 
 
 def _alive(pid: int) -> bool:

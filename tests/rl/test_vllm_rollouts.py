@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from atelier.config import load_config
-from atelier.inference.vllm_server import VLLMConfig, VLLMUnavailable, find_vllm_python
+from atelier.inference.vllm_server import VLLMConfig, VLLMUnavailable, _group_members, find_vllm_python
 from atelier.rl.config import TrainConfig
 from atelier.rl.ledger import Ledger
 from atelier.rl.run import run_training
@@ -164,10 +164,15 @@ def test_ray_launcher_samples_on_a_vllm_server_in_its_inference_actor(ray_instan
 
     summary = run_training(config, tmp_path / "run", on_step=on_step)
     assert servers, "no vLLM server ran the run's model"
-    deadline = time.monotonic() + 120  # closing the backend kills the actor; its server group follows
-    while any(_alive(p) for p in servers) and time.monotonic() < deadline:
+    # Closing the backend kills the actor, and Ray kills its direct children (the server's leader);
+    # the watchdog then kills the rest of each server's group (vLLM's engine core and workers).
+    def left() -> list[int]:
+        return [p for leader in servers for p in _group_members(leader) if _alive(p)]
+
+    deadline = time.monotonic() + 120
+    while left() and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not any(_alive(p) for p in servers)
+    assert not left(), "processes of the actor's vLLM server outlived it"
     assert summary.steps == 3 and summary.ledger["trained"] == 3 * 2 * 2
     assert [m["sync_kind"] for m in summary.metrics] == ["delta", "full", "delta"]
     versions = set()

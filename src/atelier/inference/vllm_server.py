@@ -24,9 +24,12 @@ which imports nothing else of ours). Why each flag:
 The server runs in a process group of its own, so stopping it (or replacing one
 that died) also ends vLLM's engine-core and worker processes. Its output goes
 to a log file whose tail is quoted when it fails to start. If atelier itself
-is killed (`kill -9` of the trainer), a watchdog in the server's group (a
-few lines of Python polling its parent's pid) kills the group: vLLM's engine
-core and workers do not watch their parent. PR_SET_PDEATHSIG would not do:
+is killed (`kill -9` of the trainer, or Ray killing an actor), a watchdog in
+the server's group (a few lines of Python polling whether atelier's process
+still lives) kills the group: vLLM's engine core and workers do not watch
+their parent. The watchdog is a grandchild of atelier, because Ray kills a
+dead actor's direct children (the server's leader and a direct-child
+watchdog) and left the engine core and a worker running, 2.3 GB resident. PR_SET_PDEATHSIG would not do:
 it fires when the *thread* that started the child exits, and a server may be
 restarted from a rollout thread. As a second line, the next server started
 with the same log path (what `--resume` does) kills whatever is left of a
@@ -55,9 +58,33 @@ from atelier.errors import AtelierError, InfraError
 WORKER_EXTENSION = "atelier.inference.vllm_worker.AtelierWorkerExtension"
 PYTHON_ENV_VAR = "ATELIER_VLLM_PYTHON"
 VENV_NAME = ".venv-vllm"
-# Runs in the server's process group: once its parent (atelier) is gone, kill the whole group.
-WATCHDOG = ("import os, signal, sys, time\nparent = int(sys.argv[1])\n"
-            "while os.getppid() == parent:\n    time.sleep(1)\nos.killpg(0, signal.SIGKILL)\n")
+# Runs in the server's process group: once atelier (argv[1]) is gone, kill the whole group. It
+# forks and the grandchild watches, so a supervisor that kills a dead process's direct children
+# (Ray, when an actor dies: the server's leader and a direct-child watchdog, leaving vLLM's engine
+# core and workers) does not take it along; it ignores SIGTERM, so `VLLMServer.stop`'s graceful
+# phase leaves it on guard. Death is read from /proc (gone, a zombie, or a new process with the
+# same pid), as the parent pid of a grandchild says nothing.
+WATCHDOG = """import os, signal, sys, time
+parent = int(sys.argv[1])
+def stamp():
+    try:
+        with open(f"/proc/{parent}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return None if fields[0] in ("Z", "X") else fields[19]
+    except OSError:
+        try:
+            os.kill(parent, 0)
+            return "alive"  # no /proc here
+        except ProcessLookupError:
+            return None
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+born = stamp()
+if os.fork():
+    os._exit(0)
+while born is not None and stamp() == born:
+    time.sleep(1)
+os.killpg(0, signal.SIGKILL)
+"""
 
 
 class VLLMConfig(AtelierConfig):
@@ -159,9 +186,12 @@ def in_group(pgid: int) -> dict:
 
 
 def start_watchdog(pgid: int) -> subprocess.Popen:
-    """A process in group `pgid` that kills the group once this process is gone."""
-    return subprocess.Popen([sys.executable, "-c", WATCHDOG, str(os.getpid())], stdin=subprocess.DEVNULL,
+    """A process in group `pgid` that kills the group once this process is gone (see WATCHDOG:
+    the process started here forks the watcher and exits; it is reaped before this returns)."""
+    proc = subprocess.Popen([sys.executable, "-c", WATCHDOG, str(os.getpid())], stdin=subprocess.DEVNULL,
                             **in_group(pgid))
+    proc.wait(timeout=60)
+    return proc
 
 
 def _group_members(pgid: int) -> list[int]:
