@@ -120,3 +120,21 @@ def test_concurrent_decode_reads_the_cache_in_place(spiky_model_dir):
         assert results == solo
         assert engine.stats["max_batch_seen"] > 4
         assert engine._forward.stats["copied_rows"] == 0
+
+
+def test_decode_steps_run_on_one_thread_and_leave_the_callers_alone(spiky_model_dir):
+    """A decode step runs on `decode_threads` threads (on_token runs inside it); the prefill and
+    the caller keep torch's thread count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for decode_threads, want in ((1, 1), (None, 2)):
+            seen: list[int] = []
+            with LocalEngine(spiky_model_dir, dtype="float32", decode_threads=decode_threads) as engine:
+                engine.generate(list(range(5, 30)), SamplingParams(max_tokens=6, temperature=0.0,
+                                                                   stop_token_ids=NO_STOP),
+                                on_token=lambda *_: seen.append(torch.get_num_threads()))
+            assert seen == [2] + [want] * 5
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

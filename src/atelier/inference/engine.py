@@ -88,7 +88,7 @@ from typing import Any, Callable
 import torch
 
 from atelier.errors import AtelierError, InfraError
-from atelier.inference.forward import BatchedForward
+from atelier.inference.forward import BatchedForward, threads
 from atelier.inference.models import DEFAULT_KV_CACHE_TOKENS, DEFAULT_PREFIX_CACHE_TOKENS
 from atelier.inference.prefix_cache import BlockPool
 from atelier.inference.sampling import make_generator, sample_rows
@@ -216,7 +216,7 @@ class LocalEngine:
 
     `LocalEngine(path, device="cpu", dtype=None, max_batch=32, max_seq_len=None,
     kv_cache_tokens=32768, prefix_cache_tokens=16384, max_prefill_tokens=2048,
-    max_queue=None)`.
+    max_queue=None, batch_invariant=False, decode_threads=1)`.
     `dtype=None` means bf16 where the hardware has it (see the module docstring).
     `kv_cache_tokens` is the whole KV memory, in token positions; `prefix_cache_tokens`
     bounds how much of it is kept registered for reuse (0: no prefix caching).
@@ -224,6 +224,12 @@ class LocalEngine:
     `max_queue` bounds the requests waiting for admission (None: unbounded).
     `batch_invariant=True`: every request's forwards run alone and nothing is prefix-cached,
     so its results do not depend on what shares the engine (see the module docstring).
+    `decode_threads` (default 1; None: torch's thread count) is how many threads a decode step
+    uses; prefills use torch's. A decode step is some 200 small operations, and on a CPU each
+    multi-threaded one waits for all its threads: when anything else wants a core (the sandboxes
+    an evaluation runs, another process) that wait is a scheduler time slice. Measured on 2
+    cores at load ~13, SmolLM2-135M bf16, batch 16: 1.6 s per step at 300 positions on one
+    thread against 5.3 s on two (and 4x the CPU time, spent spinning).
     Use as a context manager or call `close()`.
     """
 
@@ -231,7 +237,8 @@ class LocalEngine:
                  max_batch: int = 32, max_seq_len: int | None = None, name: str | None = None,
                  version: int = 0, prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
                  kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS, max_prefill_tokens: int = 2048,
-                 max_queue: int | None = None, batch_invariant: bool = False) -> None:
+                 max_queue: int | None = None, batch_invariant: bool = False,
+                 decode_threads: int | None = 1) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if prefix_cache_tokens < 0:
@@ -241,6 +248,9 @@ class LocalEngine:
                               hint="it is the engine's whole KV memory in token positions")
         if max_batch < 1 or max_prefill_tokens < 1 or (max_queue is not None and max_queue < 0):
             raise EngineError("max_batch and max_prefill_tokens must be >= 1, max_queue >= 0")
+        if decode_threads is not None and decode_threads < 1:
+            raise EngineError("decode_threads must be >= 1", hint="or None: torch's thread count")
+        self.decode_threads = decode_threads
         path = Path(model_path)
         self.path = path
         self.device = torch.device(device)
@@ -554,6 +564,13 @@ class LocalEngine:
             self._waiting.insert(0, request)
 
     def _decode(self) -> None:
+        if self.decode_threads is None:
+            self._decode_step()
+            return
+        with threads(self.decode_threads):
+            self._decode_step()
+
+    def _decode_step(self) -> None:
         self._grow()
         active = self._active
         if self.batch_invariant:

@@ -78,21 +78,18 @@ MAX_RUNS = 4
 
 
 @contextlib.contextmanager
-def _one_thread():
-    """Run the block on the calling thread alone (torch's thread count is per thread, so other
-    threads, e.g. a trainer's, keep theirs). Decode attention is many small products, one
-    sequence at a time: split over threads, each pays a synchronisation that costs more than the
-    work, and far more when another process holds a core (measured here at batch 16, ~3k
-    positions: 23 ms of CPU per layer on one thread, 159 ms on two under load)."""
-    n = torch.get_num_threads()
-    if n == 1:
+def threads(n: int):
+    """Run the block with torch on `n` threads in the calling thread (torch's thread count is per
+    thread, so other threads, e.g. a trainer's, keep theirs)."""
+    before = torch.get_num_threads()
+    if n == before:
         yield
         return
-    torch.set_num_threads(1)
+    torch.set_num_threads(n)
     try:
         yield
     finally:
-        torch.set_num_threads(n)
+        torch.set_num_threads(before)
 
 
 class UnsupportedModel(AtelierError):
@@ -370,7 +367,11 @@ class BatchedForward:
         (fp32).
 
         Attention runs per sequence over its own positions, read from the pool in place (runs of
-        consecutive blocks; see the module docstring): nothing is padded or copied.
+        consecutive blocks; see the module docstring): nothing is padded or copied. It runs on one
+        thread: it is many small products, one sequence at a time, and split over threads each
+        pays a synchronisation that costs more than the work, far more when another process holds
+        a core (measured here at batch 16, ~3k positions, load ~13: 23 ms of CPU per layer on
+        one thread, 159 ms on two).
         """
         B = len(tokens)
         S = self.kv.block
@@ -385,7 +386,7 @@ class BatchedForward:
         def attend(i, q, k, v):
             self._store(i, rows_B, k[:, :, 0].transpose(0, 1), v[:, :, 0].transpose(0, 1))
             q_BHGD = (q[:, :, 0].float() * self.scaling).view(B, Hkv, H // Hkv, D)
-            with _one_thread():
+            with threads(1):   # many small products: see `decode`
                 outs = [self._attend_one(q_BHGD[b], *self._keys(i, plan, torch.float32))
                         for b, plan in enumerate(plans)]
             return torch.stack(outs).view(B, H, 1, D).to(q.dtype)
