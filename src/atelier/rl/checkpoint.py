@@ -1,6 +1,6 @@
 """Step checkpoints: RUN_DIR/checkpoints/step-<k>/ with the model (Hugging Face
-format, loadable by every atelier command), optimizer, RNG states and a
-meta.json (step, task cursor, ledger position).
+format, loadable by every atelier command), optimizer, RNG states (one file
+per trainer rank) and a meta.json (step, task cursor, ledger position).
 
 A checkpoint is written into a temporary directory and renamed
 (`atelier.fsio.atomic_dir`); step k is committed
@@ -54,11 +54,7 @@ def save_checkpoint(run_dir: Path, step: int, trainer, tokenizer, meta: dict[str
     root = checkpoints_dir(run_dir)
     final = root / f"step-{step:06d}"
     with atomic_dir(final) as tmp:
-        trainer.save(tmp, tokenizer)
-        torch.save({"python": random.getstate(), "numpy": np.random.get_state(),
-                    "torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-                   tmp / "rng.pt")
+        trainer.save(tmp, tokenizer)   # every rank writes its RNG states there too (`save_rng`)
         (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}, indent=1) + "\n")
         crash_point("checkpoint.before_rename")
     for old in sorted(root.glob("step-*"), key=lambda p: p.name)[:-KEEP]:
@@ -67,13 +63,53 @@ def save_checkpoint(run_dir: Path, step: int, trainer, tokenizer, meta: dict[str
     return final
 
 
-def restore_rng(ckpt: Path) -> None:
-    state = torch.load(ckpt / "rng.pt", weights_only=False)
+def rng_file(ckpt: Path, rank: int) -> Path:
+    """Rank 0's RNG states are rng.pt (as before ranks had their own); rank r's rng-rank<r>.pt."""
+    return ckpt / ("rng.pt" if rank == 0 else f"rng-rank{rank}.pt")
+
+
+def save_rng(ckpt: Path, rank: int) -> None:
+    """This process's python, numpy, torch (and CUDA) RNG states, as rank `rank` of the trainer."""
+    torch.save({"python": random.getstate(), "numpy": np.random.get_state(),
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+               rng_file(ckpt, rank))
+
+
+def start_rng(seed: int, rank: int, ckpt: Path | None) -> None:
+    """Set this rank's RNGs as a run with `seed` has them at the start of its next step.
+
+    A fresh run seeds python, numpy and torch (every device) from the run's
+    seed and the rank (`rank_seed`: ranks draw different dropout masks for
+    their different samples), so a run is reproducible from its seed alone
+    whatever ran in the process before (another run, an SFT phase, a model
+    built from random init). A resumed run takes the states each rank saved
+    with the checkpoint (a checkpoint written before ranks saved their own:
+    rank 0's for every rank). Called as the last thing before the first
+    step, so whatever is built between a checkpoint and the next step (the
+    engine, the weight sync) draws nothing from a state that must match.
+    """
+    if ckpt is None:
+        s = rank_seed(seed, rank)
+        random.seed(s)
+        np.random.seed(s)
+        torch.manual_seed(s)   # every CUDA device too
+        return
+    path = rng_file(ckpt, rank)
+    state = torch.load(path if path.exists() else rng_file(ckpt, 0), weights_only=False)
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The 32-bit seed of trainer rank `rank` (torch's CPU generator keeps 32 bits of a seed):
+    the run's seed on rank 0, a hash of (seed, rank) on the others."""
+    if rank == 0:
+        return seed % 2**32
+    return int(np.random.SeedSequence([seed % 2**32, rank]).generate_state(1)[0])
 
 
 def read_meta(ckpt: Path) -> dict[str, Any]:

@@ -222,6 +222,9 @@ class TrainConfig(RlOptions):
     """A model directory, a known model name, a hub id, or 'tiny' / 'tiny-moe' (a tiny random dense or
     mixture-of-experts model built in the run dir)."""
     seed: int = 0
+    """Seeds everything random in a run: the tiny model's init, each rollout's sampling
+    (`atelier.rl.reconciler.rollout_seed`) and each trainer rank's RNGs, e.g. dropout
+    (`atelier.rl.checkpoint.start_rng`)."""
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
     """The rollout engine: built-in, or vLLM servers the trainer pushes weights into."""
     env: EnvConfig = Field(default_factory=EnvConfig)

@@ -51,7 +51,7 @@ from typing import Any, Callable, Iterator
 from atelier.config import dump_config
 from atelier.errors import AtelierError
 from atelier.fsio import atomic_write, crash_point
-from atelier.rl.checkpoint import committed_checkpoint, latest_checkpoint, read_meta, restore_rng, save_checkpoint
+from atelier.rl.checkpoint import committed_checkpoint, latest_checkpoint, read_meta, save_checkpoint, start_rng
 from atelier.rl.config import TrainConfig
 from atelier.rl.curriculum import Curriculum
 from atelier.rl.env import make_environment
@@ -163,7 +163,7 @@ def run_training(config: TrainConfig, run_dir: str | Path, resume: bool = False,
 
     with torch_threads(config.trainer.threads), join_ranks(config) as (ranks, commands):
         if not ranks.main:
-            follow(partial(make_trainer, config, ranks=ranks), commands)
+            follow(partial(make_trainer, config, ranks=ranks, rng=True), commands)
             return None
         run = open_run(config, Path(run_dir), resume, ranks, commands)
         try:
@@ -214,12 +214,16 @@ def open_run(config: TrainConfig, run_dir: Path, resume: bool, ranks=None, comma
                             cfg=config.rollout, curriculum=Curriculum(config.curriculum),
                             rollouts_dir=run_dir / "rollouts", seed=config.seed, version=trainer.step,
                             total_steps=config.trainer.steps)
-    return Run(config, run_dir, trainer, _tokenizer(model_path), ledger, weights, backend, reconciler,
-               metrics, loggers, started=started)
+    run = Run(config, run_dir, trainer, _tokenizer(model_path), ledger, weights, backend, reconciler,
+              metrics, loggers, started=started)
+    # last, once the engine and weight sync are built: whatever their construction draws from the
+    # RNGs, a fresh run and a resumed one then start their next step from the same states
+    start_rng(config.seed, trainer.ranks.rank, ckpt)
+    return run
 
 
 def restore_trainer(config: TrainConfig, model_path: Path, ckpt: Path | None, ranks=None, commands=None):
-    """A trainer on `model_path`; with a checkpoint, its step, optimizer state and RNG too.
+    """A trainer on `model_path`; with a checkpoint, its step and optimizer state too.
     With N ranks, rank 0's trainer leads the followers' (atelier.rl.ranks)."""
     if commands is not None:
         from atelier.rl.ranks import lead
@@ -228,7 +232,9 @@ def restore_trainer(config: TrainConfig, model_path: Path, ckpt: Path | None, ra
     return make_trainer(config, model_path, ckpt, ranks=ranks)
 
 
-def make_trainer(config: TrainConfig, model_path: Path, ckpt: Path | None, *, ranks=None):
+def make_trainer(config: TrainConfig, model_path: Path, ckpt: Path | None, *, ranks=None, rng: bool = False):
+    """The trainer (with its checkpoint's step and optimizer); `rng`: also start this rank's RNGs
+    (the other ranks; rank 0 starts them at the end of `open_run`)."""
     from atelier.rl.trainer import Trainer
 
     step = read_meta(ckpt)["step"] if ckpt else 0
@@ -236,7 +242,8 @@ def make_trainer(config: TrainConfig, model_path: Path, ckpt: Path | None, *, ra
                       ranks=ranks)
     if ckpt:
         trainer.load_optimizer(ckpt)
-        restore_rng(ckpt)
+    if rng:
+        start_rng(config.seed, trainer.ranks.rank, ckpt)
     return trainer
 
 

@@ -230,8 +230,12 @@ class Trainer:
 
     # --- checkpoints (see atelier.rl.checkpoint for the layout) -----------
     def save(self, out_dir: Path, tokenizer=None) -> None:
-        """model/ (Hugging Face, written by rank 0) and the optimizer: optimizer.pt on one rank,
-        a torch.distributed.checkpoint directory `sharded/` (model and optimizer) on N. Collective."""
+        """model/ (Hugging Face, written by rank 0), the optimizer: optimizer.pt on one rank, a
+        torch.distributed.checkpoint directory `sharded/` (model and optimizer) on N, and each
+        rank's RNG states (`atelier.rl.checkpoint.save_rng`). Collective."""
+        from atelier.rl.checkpoint import save_rng
+
+        save_rng(out_dir, self.ranks.rank)
         state = self.state_dict()
         if self.ranks.main:
             self.model.save_pretrained(out_dir / "model", state_dict=state)
