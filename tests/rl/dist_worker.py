@@ -54,7 +54,8 @@ def run(spec: dict, out: Path | None) -> tuple[list[dict], dict[str, torch.Tenso
 
 
 def run_sft(spec: dict, ranks) -> tuple[list[dict], dict[str, torch.Tensor]]:
-    """The pretrain loop's step on SFT-like rows (padding masked out), fp32."""
+    """The pretrain loop's step on SFT-like rows (padding masked out), fp32; the spec's
+    sft_micro_batch x sft_grad_accum (default 2 x 3) regroups the same 6 rows per step."""
     import numpy as np
     from transformers import AutoModelForCausalLM
 
@@ -71,8 +72,9 @@ def run_sft(spec: dict, ranks) -> tuple[list[dict], dict[str, torch.Tensor]]:
     mask = np.zeros_like(ids)
     for row, n in enumerate(rng.integers(3, 24, size=12)):
         mask[row, 1:n] = 1
-    phase = PhaseConfig(name="sft", kind="sft", steps=spec.get("steps", 1), seq_len=24, micro_batch=2,
-                        grad_accum=3, lr=1e-3, trajectories=["unused"])
+    phase = PhaseConfig(name="sft", kind="sft", steps=spec.get("steps", 1), seq_len=24, lr=1e-3,
+                        micro_batch=spec.get("sft_micro_batch", 2), grad_accum=spec.get("sft_grad_accum", 3),
+                        trajectories=["unused"])
     batches = ExampleBatches(ids, mask, 0, 0)
     metrics = [_train_step(head, optimizer, batches, phase, step, ranks, "fp32") for step in range(phase.steps)]
     state = {k.removeprefix("lm."): v for k, v in D.full_state_dict(head, ranks).items()}

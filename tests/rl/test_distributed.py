@@ -107,7 +107,22 @@ def test_balanced_partition_balances_tokens_and_every_rank_runs_the_same_passes(
 
 def test_two_ranks_take_the_one_rank_step(tiny_model_dir, tmp_path):
     """RL loss (with KL) and the SFT loss of the pretrain loop, 2 steps each: the same loss,
-    grad norm and updated weights on 1 and 2 ranks (fp32, 1e-5 relative)."""
+    grad norm and updated weights on 1 and 2 ranks (fp32, 1e-5 relative), with one exception
+    that is fp32 rounding, not a difference between the steps:
+
+    The SFT run's layer-0 mlp.gate_proj differs by 1.0e-5 relative (norm of the difference over
+    the norm), all of it from one element: its step-1 gradient is 2.9e-9 against a median of
+    4.6e-4 in that tensor, below AdamW's eps (1e-8), where the update lr * g / (|g| + eps) is
+    most sensitive to g (lr / eps = 1e5 per unit of g). fp32 rounding of that gradient (a sum of
+    terms ~1e-4 that cancel) moves the element by 1.8e-5; the next-largest element differs by
+    1.7e-7. Against an fp64 run of the same two steps (the exact answer) the 1-rank fp32 weights
+    are off by 4.3e-6 relative in that tensor and the 2-rank ones by 1.4e-5, so neither run is
+    closer to the exact step than ~1e-5 there; the same samples regrouped on one rank (spec
+    sft_micro_batch=6, sft_grad_accum=1) differ from the 1-rank run by 8.6e-7 there. Measured
+    gaps (torch 2.13 CPU, 1 thread per rank): RL weights <= 9.5e-7, RL loss <= 4.8e-8, grad norm
+    <= 6.7e-7; SFT loss <= 1.4e-8, grad norm <= 3.0e-7. The gradient all-reduce itself is exact
+    here: FSDP2's fp32 reduce of 2 ranks is one rounded add per element, and the x2 / /2 of
+    `grad_scale` and FSDP's mean are exact in binary floating point."""
     spec = {"model": str(tiny_model_dir), "samples": 9, "steps": 2,
             "trainer": {"lr": 1e-3, "norm_tokens": 64, "micro_batch": 3, "precision": "fp32",
                         "logprob_chunk": 7, "kl_beta": 0.05}}
@@ -121,23 +136,22 @@ def test_two_ranks_take_the_one_rank_step(tiny_model_dir, tmp_path):
         assert b["ranks"] == 2 and a["ranks"] == 1
         for key in ("loss", "grad_norm", "train_tokens", "is_weight_mean", "entropy"):
             assert_rel(a[key], b[key])
-        # kl_k1 is a mean of differences of two ~6-nat logprobs that nearly cancel (~1e-3 after
-        # one step): a relative bound on it would ask each logprob for ~1e-9 relative, below
-        # fp32's resolution, which a matmul's row grouping (different on 1 and 2 ranks) moves.
-        assert abs(a["kl_k1"] - b["kl_k1"]) <= 1e-6, (a["kl_k1"], b["kl_k1"])
+        # kl_k1 (a metric, not the loss) is a mean of differences of two ~6-nat logprobs that nearly
+        # cancel (~1e-3 after one step): its relative gap is 1.3e-5 between 1 and 2 ranks and 4.3e-6
+        # between two groupings on one rank, at 1.1e-8 and 3.8e-9 absolute; bound it absolutely.
+        assert abs(a["kl_k1"] - b["kl_k1"]) <= 1e-7, (a["kl_k1"], b["kl_k1"])
         assert a["staleness_hist"] == b["staleness_hist"]
     for a, b in zip(one["sft"], two["sft"]):
         assert (a["ranks"], b["ranks"], a["targets"]) == (1, 2, b["targets"])
         assert_rel(a["loss"], b["loss"])
         assert_rel(a["grad_norm"], b["grad_norm"])
-    # Weights after two AdamW steps: 1e-5 relative for the RL run (measured <= 1e-6); 2e-5 for
-    # the SFT run, whose layer-0 gate_proj sits at fp32 summation-order noise amplified by Adam's
-    # normalisation (8.8e-6 with autograd's logprob backward, 1.0e-5 with the chunked one, whose
-    # matmuls group rows differently); losses and gradient norms keep the 1e-5 bound above.
-    for part, tol in (("rl", 1e-5), ("sft", 2e-5)):
+    # Weights after two AdamW steps: 1e-5 relative, but 2e-5 for the one SFT tensor whose
+    # element with a gradient under AdamW's eps carries fp32 rounding (the docstring).
+    for part in ("rl", "sft"):
         assert set(state_one[part]) == set(state_two[part])
         for k, v in state_one[part].items():
-            assert float((v - state_two[part][k]).norm() / v.norm()) < tol, (part, k)
+            tol = 2e-5 if (part, k) == ("sft", "model.layers.0.mlp.gate_proj.weight") else 1e-5
+            assert float((v - state_two[part][k]).norm() / v.norm()) <= tol, (part, k)
 
 
 def test_a_rank_that_dies_stops_the_job_with_a_message(tmp_path):
