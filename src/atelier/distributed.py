@@ -347,6 +347,35 @@ def barrier(ranks: Ranks) -> None:
         dist.barrier()
 
 
+HEAP_MMAP_THRESHOLD = 1 << 20
+"""Bytes from which glibc serves an allocation with its own mmap (see `return_freed_memory`)."""
+
+
+def return_freed_memory() -> bool:
+    """Have glibc hand large freed CPU tensors back to the OS at once; False where it is not glibc.
+
+    glibc serves allocations under its mmap threshold from its heaps and keeps
+    what is freed there for reuse. The threshold starts at 128 KiB but rises to
+    the size of every mmapped block freed, up to 32 MiB, so after the first
+    step a trainer's activations (tens of MiB each at thousands of tokens)
+    come from the heaps, and their freed holes stay resident beside the next
+    ones. Fixing the threshold (and the heap trim threshold) at 1 MiB maps
+    every large tensor and unmaps it when freed. Measured on the RL trainer,
+    bf16, 4 layers of SmolLM2-135M at 4 x 1,024 tokens: peak RSS 1.564 ->
+    1.423 GiB, step time the same within one run. Process-wide, like the
+    MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ variables it stands for.
+    """
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3   # glibc's malloc.h
+        return bool(libc.mallopt(m_mmap_threshold, HEAP_MMAP_THRESHOLD)
+                    and libc.mallopt(m_trim_threshold, HEAP_MMAP_THRESHOLD))
+    except (OSError, AttributeError):
+        return False
+
+
 def peak_memory_gb(device: torch.device) -> float:
     """Peak GPU memory allocated by this process, or its peak resident set on the CPU."""
     if device.type == "cuda":

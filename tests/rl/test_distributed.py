@@ -179,3 +179,21 @@ def test_a_recipe_asking_for_ranks_needs_the_ranks_started(tmp_path, tiny_model_
                          phases=[{"name": "sft", "kind": "sft", "steps": 1, "seq_len": 8, "chat": ["x.jsonl"]}])
     with pytest.raises(D.DistributedError, match="ranks = 2 but this process is one of 1"):
         run_pretrain(pre, tmp_path / "pre")
+
+
+def test_large_freed_cpu_tensors_go_back_to_the_os():
+    """What keeps the trainer's peak resident memory down: after `return_freed_memory`, a freed
+    activation-sized tensor leaves the resident set at once (glibc's heaps kept it before)."""
+    def rss_mib() -> float:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS"):
+                return int(line.split()[1]) / 1024
+        raise AssertionError("no VmRSS")
+
+    if not D.return_freed_memory():
+        pytest.skip("not glibc")
+    for _ in range(3):   # what a step does: the same sizes allocated and freed again
+        x = torch.ones(16 << 18)   # 16 MiB, under glibc's 32 MiB dynamic ceiling
+        held = rss_mib()
+        del x
+        assert held - rss_mib() >= 15
