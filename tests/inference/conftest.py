@@ -16,6 +16,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def generate_concurrently(engine, prompts, params, timeout: float) -> list[list[int] | None]:
+    """Each of `prompts` generated from its own thread, all released at once so the engine
+    batches them; `params[i]` samples prompt i. Returns the token ids (None where a thread
+    did not finish within `timeout`)."""
+    results: list[list[int] | None] = [None] * len(prompts)
+    barrier = threading.Barrier(len(prompts))
+
+    def worker(i: int) -> None:
+        barrier.wait()
+        results[i] = engine.generate(prompts[i], params[i]).token_ids
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    return results
+
+
 @contextlib.contextmanager
 def serving(engine):
     """Serve `engine` with uvicorn on a free port in a thread; yield the base URL."""

@@ -4,7 +4,6 @@ whatever the block layout (forward.py's runs, prefix_cache.py's placement)."""
 from __future__ import annotations
 
 import random
-import threading
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from atelier.inference.engine import LocalEngine
 from atelier.inference.forward import MAX_RUNS, BatchedForward, runs
 from atelier.inference.prefix_cache import BlockPool
 from atelier.inference.types import SamplingParams
+from tests.inference.conftest import generate_concurrently
 
 NO_STOP = (10**6,)
 
@@ -105,18 +105,7 @@ def test_concurrent_decode_reads_the_cache_in_place(spiky_model_dir):
         params = SamplingParams(max_tokens=70, temperature=0.0, stop_token_ids=NO_STOP)
         solo = [engine.generate(p, params).token_ids for p in prompts]
         engine._forward.stats["copied_rows"] = 0
-        results: list[list[int] | None] = [None] * 8
-        barrier = threading.Barrier(8)
-
-        def worker(i: int) -> None:
-            barrier.wait()
-            results[i] = engine.generate(prompts[i], params).token_ids
-
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
+        results = generate_concurrently(engine, prompts, [params] * len(prompts), timeout=300)
         assert results == solo
         assert engine.stats["max_batch_seen"] > 4
         assert engine._forward.stats["copied_rows"] == 0

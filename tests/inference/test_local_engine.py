@@ -10,6 +10,7 @@ import torch
 
 from atelier.inference.engine import EngineError, LocalEngine
 from atelier.inference.types import Generation, SamplingParams, TokenModel
+from tests.inference.conftest import generate_concurrently
 
 NO_STOP = (10**6,)  # a stop id outside the vocabulary: run to max_tokens
 TEXTS = ["def foo(x):", "import json\nclass Decoder", "hello", "x = [1, 2, 3]\nfor i in x:\n    print",
@@ -92,18 +93,7 @@ def test_concurrent_requests_batch_and_equal_solo(spiky_model_dir):
         prompts = [engine.tokenizer.encode(t) for t in TEXTS]
         lengths = [12 + 5 * i for i in range(8)]  # finish at different steps: slots get compacted
         solo = [engine.generate(p, greedy(n)).token_ids for p, n in zip(prompts, lengths)]
-        results: list[list[int] | None] = [None] * 8
-        barrier = threading.Barrier(8)
-
-        def worker(i: int) -> None:
-            barrier.wait()
-            results[i] = engine.generate(prompts[i], greedy(lengths[i])).token_ids
-
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
+        results = generate_concurrently(engine, prompts, [greedy(n) for n in lengths], timeout=120)
         assert results == solo
         assert engine.stats["max_batch_seen"] > 1
 
