@@ -42,11 +42,10 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from atelier.config import dump_config
 from atelier.errors import AtelierError
@@ -157,11 +156,12 @@ def run_training(config: TrainConfig, run_dir: str | Path, resume: bool = False,
     """Train until the epoch (or `trainer.steps`) is done; resumable after any crash.
 
     Sets torch's thread count to `trainer.threads` for the run and restores
-    it after: the one place an RL run touches that process-wide setting.
+    it after (`inference.forward.threads`).
     On trainer ranks other than 0 it follows rank 0 and returns None."""
+    from atelier.inference.forward import threads
     from atelier.rl.ranks import follow, join_ranks
 
-    with torch_threads(config.trainer.threads), join_ranks(config) as (ranks, commands):
+    with threads(config.trainer.threads), join_ranks(config) as (ranks, commands):
         if not ranks.main:
             follow(partial(make_trainer, config, ranks=ranks, rng=True), commands)
             return None
@@ -316,19 +316,6 @@ def write_summary(run: Run) -> TrainSummary:
         ledger=run.ledger.counts(), checkpoint=str(latest_checkpoint(run.run_dir) or "") or None, metrics=rows)
     atomic_write(run.run_dir / "summary.json", json.dumps(summary.to_dict(), indent=1) + "\n")
     return summary
-
-
-@contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    """torch's intra-op thread count is process-wide: set it for the run, give it back after."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _published(state_dict, dtype: str):
