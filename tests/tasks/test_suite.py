@@ -197,7 +197,7 @@ def test_build_resume_drops_and_splits(spec_file: Path, tmp_path: Path, env_cach
         raise RuntimeError("power cut")
 
     with monkeypatch.context() as m:
-        m.setattr(suite_build, "_valid_or_reason", power_cut)
+        m.setattr(suite_build, "_validation_drop", power_cut)
         crashed = build_suite(spec, out, only="release", limit=1)
     assert crashed.entries[0].error == "RuntimeError: power cut"
     assert not (out / "tinyfmt-1.0.0-to-1.1.0").exists()
@@ -229,12 +229,53 @@ def test_build_resume_drops_and_splits(spec_file: Path, tmp_path: Path, env_cach
         raise AssertionError("a resumed build ran tests")
 
     with monkeypatch.context() as m:
-        m.setattr(suite_build, "_valid_or_reason", no_runs)
+        m.setattr(suite_build, "_validation_drop", no_runs)
         m.setattr("atelier.tasks.release.sandbox_runner", no_runs)
         m.setattr("atelier.tasks.mutation_tasks.sandbox_pytest_runner", no_runs)
         again = build_suite(spec, out).to_json()
     assert again["built"] == 0 and again["kept"] == 2 and again["errors"] == 0
     assert again["dropped"] == 1 and again["splits"] == {"test": 1, "train": 1}
+
+
+@pytest.mark.usefixtures("bwrap_ready")
+def test_a_validation_drop_keeps_its_grade_flags_in_the_report_and_on_resume(
+        spec_file: Path, tmp_path: Path, env_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gold patch the grader calls `tampered` at validation is dropped
+    like a bad candidate; the report must say it was `tampered`, or a false
+    positive of the grader would hide as a drop. A grader that calls the
+    first candidate tampered (and passes the rest without running them)."""
+    from atelier.tasks import suite_build, validate
+    from atelier.tasks.validate import RunOutcome, TaskCheck
+
+    monkeypatch.setenv("ATELIER_CACHE", str(env_cache.parent))
+    why = "canary test_ab12cd_bad should have failed, got passed"
+    seen: list[str] = []
+
+    def check_task(task, runs, **kw):
+        seen.append(task.id)
+        if len(seen) == 1:
+            return TaskCheck(task.id, (RunOutcome(0.0, "tampered: " + why, tampered=True, tamper=(why,),
+                                                  canaries_ok=False),) * runs)
+        return TaskCheck(task.id, (RunOutcome(1.0, canaries_ok=True),) * runs, RunOutcome(0.0))
+
+    monkeypatch.setattr(validate, "check_task", check_task)
+    spec, out = load_spec(spec_file), tmp_path / "out"
+    build_suite(spec, out, only="mutation")
+    report = json.loads((out / "build-report.json").read_text())
+    assert report["built"] == 1 and report["dropped"] == 1, report
+    (drop,) = report["entries"][0]["dropped"]
+    assert drop["what"] == seen[0] and drop["reason"].startswith("validation: gold patch failed in 1 of 1")
+    assert drop["tampered"] is True
+    assert drop["grades"] == [{"run": "gold 1", "reward": 0.0, "error": "tampered: " + why,
+                               "infra_error": False, "tampered": True, "tamper": [why],
+                               "tamper_suspect": [], "canaries_ok": False}]
+    lines = suite_build.summarize_drops([suite_build.EntryResult(**report["entries"][0])])
+    assert lines[0].startswith(f"dropped {seen[0]}: ") and "gold graded TAMPERED" in lines[0]
+
+    # Resumed: nothing is validated again, and the drop is still reported with its flags.
+    monkeypatch.setattr(validate, "check_task", lambda *a, **kw: pytest.fail("validated again"))
+    again = build_suite(spec, out, only="mutation").to_json()
+    assert again["kept"] == 1 and again["entries"][0]["dropped"] == [drop]
 
 
 def test_cli_suite_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -5,10 +5,14 @@ of atelier-bench v0 (44 release diffs, 202 mutation tasks) grades 1 with no
 The suite is built (or resumed: the builder skips what is there) into
 `$ATELIER_BENCH_DIR`, default `<atelier cache>/suites/atelier-bench-v0`; the
 first build downloads the sdists and takes hours on two cores. The builder
-validates each task with this same grader and drops one whose gold fails, so
-the test also checks that the build kept every task the spec counts: a
-false positive cannot hide as a dropped task. The fast sample of this check
-is `test_tamper_redteam.py::test_gold_of_a_real_task_grades_one_unflagged`.
+validates each task with this same grader, drops one whose gold fails and
+tries the next candidate, so a false positive could hide as a dropped task
+(the build still reaches every count the spec asks for). The build report
+keeps each validation drop's grade flags, so the test counts a dropped
+candidate whose gold was graded `tampered` as a false positive too, and
+prints every drop's reason. A resumed build reports the drops of the run
+that made them (they are kept in the build state). The fast sample of this
+check is `test_tamper_redteam.py::test_gold_of_a_real_task_grades_one_unflagged`.
 """
 
 from __future__ import annotations
@@ -37,6 +41,11 @@ def test_every_gold_patch_of_atelier_bench_grades_one_untampered() -> None:
     assert report["splits"] == {"test": len(spec.spec.release),
                                 "train": sum(m.count for m in spec.spec.mutation)}, report["splits"]
     false_positives, failed, suspects = [], [], []
+    drops = [d for e in report["entries"] for d in e["dropped"]]
+    unflagged = [d["what"] for d in drops if d["reason"].startswith("validation:") and "grades" not in d]
+    assert unflagged == [], f"drops recorded without their grade flags (an older build): {unflagged}; " \
+                            "rebuild with retry_dropped"
+    false_positives += [(d["what"], "dropped: " + d["reason"]) for d in drops if d.get("tampered")]
     for d in task_dirs(out):
         task = load_task(d)
         r = grade(task, task.gold_patch)
@@ -47,5 +56,7 @@ def test_every_gold_patch_of_atelier_bench_grades_one_untampered() -> None:
         if r.tamper_suspect:
             suspects.append((task.id, r.tamper_suspect[:3]))
     print(json.dumps({"tasks": len(task_dirs(out)), "false_positives": len(false_positives),
-                      "gold_failed": len(failed), "gold_tamper_suspect": len(suspects)}))
+                      "gold_failed": len(failed), "gold_tamper_suspect": len(suspects),
+                      "dropped": [{"what": d["what"], "reason": d["reason"], "tampered": d.get("tampered")}
+                                  for d in drops]}))
     assert false_positives == [] and failed == [], (false_positives, failed)

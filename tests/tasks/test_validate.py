@@ -12,7 +12,7 @@ import pytest
 from atelier.cli import main as cli
 from atelier.tasks.schema import PythonEnv, TaskLimits, TaskMetadata, TaskSpec
 from atelier.tasks.stats import patch_stats, suite_stats
-from atelier.tasks.validate import RunOutcome, TaskCheck, reason, summarize, validate
+from atelier.tasks.validate import RunOutcome, TaskCheck, grade_flags, reason, summarize, validate
 from atelier.tasks.writer import write_task
 
 OK, BAD = RunOutcome(1.0), RunOutcome(0.0, "1 target test(s) missing")
@@ -40,6 +40,22 @@ def test_summarize_counts_and_reasons() -> None:
     assert reason(checks[0]) is None
     assert summarize([]) == {"tasks": 0, "valid": 0, "invalid": [], "flaky": 0, "runs": 0,
                              "tampered": [], "tamper_suspect": []}
+
+
+def test_grade_flags_name_every_run_and_its_tamper_reasons() -> None:
+    canary = "canary test_ab12cd_bad should have failed, got passed"
+    tampered = RunOutcome(0.0, "tampered: " + canary, tampered=True, tamper=(canary,), canaries_ok=False)
+    flags = grade_flags(TaskCheck("t", (OK, tampered, OK)))
+    assert flags["tampered"] is True and flags["tamper_suspect"] is False
+    assert [g["run"] for g in flags["grades"]] == ["gold 1", "gold 2", "gold 3"]
+    assert flags["grades"][1]["tamper"] == [canary] and flags["grades"][1]["canaries_ok"] is False
+    assert flags["grades"][0] == {"run": "gold 1", "reward": 1.0, "error": None, "infra_error": False,
+                                  "tampered": False, "tamper_suspect": [], "tamper": [], "canaries_ok": None}
+    json.dumps(flags)  # goes into the build report as is
+    suspect = RunOutcome(1.0, tamper_suspect=("six.py:216: sys.modules",), canaries_ok=True)
+    flags = grade_flags(TaskCheck("t", (suspect,), RunOutcome(0.0)))
+    assert flags["tampered"] is False and flags["tamper_suspect"] is True
+    assert [g["run"] for g in flags["grades"]] == ["gold 1", "empty"]
 
 
 def test_patch_stats_counts_lines_not_headers(h) -> None:

@@ -9,7 +9,13 @@ Per entry:
   (`atelier.tasks.validate.check_task`).
 - mutation: fetch the sdist, run `build_mutation_tasks` with the entry's seed
   and count, and validate every task it writes the same way (a task whose
-  gold does not pass every run is dropped and does not count).
+  gold does not pass every run is dropped and does not count; the builder
+  tries the next candidate).
+- Every validation drop is reported with the flags of each grading (reward,
+  error, `tampered` and its reasons, `tamper_suspect`, whether the canaries
+  came out right), and kept in the state so a resumed build reports it too:
+  a gold patch the grader wrongly calls `tampered` is a false positive of the
+  grader, and must not pass for a bad candidate.
 
 Guarantees, so that a build can be stopped and run again:
 - A task is built and validated in `<out>/.atelier-build/staging/` and only
@@ -39,7 +45,8 @@ turn: a resumed build ends with the tasks, index and state of an
 uninterrupted one.
 
 The result: `<out>/index.toml` (every task built so far, with its split),
-`<out>/build-report.json` (built, kept, dropped with reasons, errors).
+`<out>/build-report.json` (built, kept, dropped with reasons and grade flags,
+errors).
 """
 
 from __future__ import annotations
@@ -74,7 +81,11 @@ class EntryResult:
     """Tasks already there from an earlier run."""
     dropped: list[dict] = dataclasses.field(default_factory=list)
     """{"what": task or candidate, "reason": why}: release drops and tasks
-    that failed validation."""
+    that failed validation. A validation drop also carries what each grading
+    gave (`atelier.tasks.validate.grade_flags`: "tampered", "tamper_suspect",
+    "grades" with each run's reward, error, tamper reasons and canary check),
+    so a grader false positive (a gold patch graded `tampered`) shows in the
+    report instead of hiding as a dropped candidate."""
     candidates_dropped: dict[str, int] = dataclasses.field(default_factory=dict)
     """Mutation candidates dropped while searching, counted by reason."""
     error: str | None = None
@@ -182,15 +193,19 @@ class _Sources:
             return dest
 
 
-def _valid_or_reason(task_dir: Path, runs: int, backend: str, envs: Path) -> str | None:
+def _validation_drop(task_dir: Path, runs: int, backend: str, envs: Path) -> dict | None:
+    """None when the task is valid, else its drop record: {"reason", and the
+    flags of every grading (`grade_flags`)}."""
     from atelier.tasks.loader import load_task
-    from atelier.tasks.validate import check_task, reason
+    from atelier.tasks.validate import check_task, grade_flags, reason
 
     try:
-        why = reason(check_task(load_task(task_dir), runs, backend=backend, cache_dir=str(envs)))
+        check = check_task(load_task(task_dir), runs, backend=backend, cache_dir=str(envs))
     except TaskError as exc:
-        return f"validation: {exc.message}"
-    return None if why is None else f"validation: {why}"
+        return {"reason": f"validation: {exc.message}", "tampered": False, "tamper_suspect": False,
+                "grades": []}
+    why = reason(check)
+    return None if why is None else {"reason": f"validation: {why}", **grade_flags(check)}
 
 
 def _done(task_dir: Path) -> bool:
@@ -235,7 +250,7 @@ class _Builder:
                 return res
             known = self.state.get(entry.key)
             if known.get("dropped") and not self.retry_dropped:
-                res.dropped.append({"what": entry.task_id, "reason": known["dropped"]})
+                res.dropped.append({"what": entry.task_id, **known.get("drop", {"reason": known["dropped"]})})
                 return res
             if entry.old_dir is not None:
                 old, new = self.spec.local(entry.old_dir), self.spec.local(entry.new_dir)
@@ -252,13 +267,13 @@ class _Builder:
                 timeout_s=entry.timeout_s, select=entry.tests or None,
                 progress=lambda msg: self.progress(0, msg))
             res.fail_to_pass, res.pass_to_pass = report.fail_to_pass, report.pass_to_pass
-            why = report.dropped
-            if why is None:
+            drop = None if report.dropped is None else {"reason": report.dropped}
+            if drop is None:
                 self.progress(0, f"{entry.task_id}: validating")
-                why = _valid_or_reason(stage / entry.task_id, self.spec.spec.runs, self.backend, self.envs)
-            if why is not None:
-                res.dropped.append({"what": entry.task_id, "reason": why})
-                self.state.put(entry.key, {"dropped": why})
+                drop = _validation_drop(stage / entry.task_id, self.spec.spec.runs, self.backend, self.envs)
+            if drop is not None:
+                res.dropped.append({"what": entry.task_id, **drop})
+                self.state.put(entry.key, {"dropped": drop["reason"], "drop": drop})
             else:
                 os.replace(stage / entry.task_id, final)  # the task's commit point
                 crash_point("tasks_build.after_task")
@@ -290,6 +305,7 @@ class _Builder:
                     and all(_done(self.out / t) for t in known.get("tasks", []))):
                 res.kept = list(known["tasks"])[:count]
                 res.candidates_dropped = known.get("candidates_dropped", {})
+                res.dropped = list(known.get("dropped", []))
                 done_units = count
                 return res
             repo = (self.spec.local(entry.path) if entry.path is not None
@@ -303,14 +319,15 @@ class _Builder:
                     res.kept.append(path.name)
                 else:
                     self.progress(0, f"{entry.package}: validating {path.name}")
-                    why = _valid_or_reason(path, self.spec.spec.runs, self.backend, self.envs)
-                    if why is not None:
-                        res.dropped.append({"what": path.name, "reason": why})
-                        return why
+                    drop = _validation_drop(path, self.spec.spec.runs, self.backend, self.envs)
+                    if drop is not None:
+                        res.dropped.append({"what": path.name, **drop})
+                        return drop["reason"]
                     os.replace(path, final)  # the task's commit point
                     crash_point("tasks_build.after_task")
                     res.built.append(path.name)
-                    self.state.put(entry.key, {"count": count, "tasks": res.tasks, "complete": False})
+                    self.state.put(entry.key, {"count": count, "tasks": res.tasks, "complete": False,
+                                               "dropped": res.dropped})
                     crash_point("tasks_build.after_state")
                 done_units += 1
                 self.progress(1, f"{entry.package}: {len(res.tasks)}/{count} mutation tasks")
@@ -332,7 +349,8 @@ class _Builder:
                     res.candidates_dropped[d.reason] = res.candidates_dropped.get(d.reason, 0) + 1
             shutil.rmtree(stage, ignore_errors=True)
             self.state.put(entry.key, {"count": count, "tasks": res.tasks, "complete": True,
-                                       "candidates_dropped": res.candidates_dropped})
+                                       "candidates_dropped": res.candidates_dropped,
+                                       "dropped": res.dropped})
             crash_point("tasks_build.after_entry")
         except (TaskError, MutationBuildError) as exc:
             res.error = exc.message
@@ -394,7 +412,8 @@ def summarize_drops(entries: Iterable[EntryResult]) -> list[str]:
     lines = []
     for e in entries:
         for d in e.dropped:
-            lines.append(f"dropped {d['what']}: {d['reason']}")
+            flag = " [gold graded TAMPERED: a false positive of the grader]" if d.get("tampered") else ""
+            lines.append(f"dropped {d['what']}: {d['reason']}{flag}")
         if e.candidates_dropped:
             counts = ", ".join(f"{n} x {why}" for why, n in sorted(e.candidates_dropped.items(),
                                                                    key=lambda kv: -kv[1]))

@@ -32,6 +32,10 @@ class RunOutcome:
     infra_error: bool = False
     tampered: bool = False
     tamper_suspect: tuple[str, ...] = ()
+    tamper: tuple[str, ...] = ()
+    """Why the run was `tampered` (a wrong canary is named here)."""
+    canaries_ok: bool | None = None
+    """`GradeResult.canaries_ok`: None when the canaries were not checked."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +69,22 @@ def reason(check: TaskCheck) -> str | None:
     if check.empty.infra_error:
         return f"the empty patch run hit an infrastructure error: {check.empty.error}"
     return None
+
+
+def grade_flags(check: TaskCheck) -> dict:
+    """What each grading of `check` gave, for a build report that drops the
+    task: `{"tampered": any gold or empty run tampered, "tamper_suspect":
+    any run flagged by the static screen, "grades": [{"run": "gold 1" ...
+    "empty", "reward", "error", "infra_error", "tampered", "tamper",
+    "tamper_suspect", "canaries_ok"}]}`. A gold patch dropped with
+    `tampered` set is a false positive of the grader, not a bad task."""
+    runs = [(f"gold {i}", r) for i, r in enumerate(check.gold, 1)]
+    runs += [("empty", check.empty)] if check.empty is not None else []
+    return {"tampered": any(r.tampered for _, r in runs),
+            "tamper_suspect": any(r.tamper_suspect for _, r in runs),
+            "grades": [{"run": name, **dataclasses.asdict(r),
+                        "tamper": list(r.tamper), "tamper_suspect": list(r.tamper_suspect)}
+                       for name, r in runs]}
 
 
 def summarize(results: Iterable[TaskCheck]) -> dict:
@@ -109,7 +129,7 @@ def task_dirs(path: str | Path) -> list[Path]:
 
 def _outcome(result) -> RunOutcome:
     return RunOutcome(result.reward, result.error, result.infra_error, result.tampered,
-                      tuple(result.tamper_suspect))
+                      tuple(result.tamper_suspect), tuple(result.tamper), result.canaries_ok)
 
 
 def check_task(task: Task, runs: int = 3, *, backend: str = "bwrap",
