@@ -268,7 +268,7 @@ def test_a_validation_drop_keeps_its_grade_flags_in_the_report_and_on_resume(
     assert drop["tampered"] is True
     assert drop["grades"] == [{"run": "gold 1", "reward": 0.0, "error": "tampered: " + why,
                                "infra_error": False, "tampered": True, "tamper": [why],
-                               "tamper_suspect": [], "canaries_ok": False}]
+                               "tamper_suspect": [], "canaries_ok": False, "failed": []}]
     lines = suite_build.summarize_drops([suite_build.EntryResult(**report["entries"][0])])
     assert lines[0].startswith(f"dropped {seen[0]}: ") and "gold graded TAMPERED" in lines[0]
 

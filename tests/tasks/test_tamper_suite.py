@@ -1,6 +1,8 @@
 """No false positives over the whole shipped suite (`slow`): every gold patch
 of atelier-bench v0 (44 release diffs, 202 mutation tasks) grades 1 with no
-`tampered` flag under the tamper-proof grader.
+`tampered` flag under the tamper-proof grader. `$ATELIER_BENCH_SPEC` (a spec
+name or .toml path, default atelier-bench) runs the same check over a part
+of it, e.g. a spec with only the six and semver mutation entries.
 
 The suite is built (or resumed: the builder skips what is there) into
 `$ATELIER_BENCH_DIR`, default `<atelier cache>/suites/atelier-bench-v0`; the
@@ -33,13 +35,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("bwrap_ready")]
 
 
 def test_every_gold_patch_of_atelier_bench_grades_one_untampered() -> None:
-    spec = resolve_spec("atelier-bench")
-    out = Path(os.environ.get("ATELIER_BENCH_DIR") or atelier_cache() / "suites" / "atelier-bench-v0")
+    spec = resolve_spec(os.environ.get("ATELIER_BENCH_SPEC") or "atelier-bench")
+    out = Path(os.environ.get("ATELIER_BENCH_DIR")
+               or atelier_cache() / "suites" / f"{spec.spec.name}-v{spec.spec.version}")
     build = build_suite(spec, out, jobs=2)
     report = build.to_json()
     assert report["errors"] == 0, [e["error"] for e in report["entries"] if e["error"]]
-    assert report["splits"] == {"test": len(spec.spec.release),
-                                "train": sum(m.count for m in spec.spec.mutation)}, report["splits"]
+    want = {"test": len(spec.spec.release), "train": sum(m.count for m in spec.spec.mutation)}
+    assert report["splits"] == {k: n for k, n in want.items() if n}, report["splits"]
     false_positives, failed, suspects = [], [], []
     drops = [d for e in report["entries"] for d in e["dropped"]]
     unflagged = [d["what"] for d in drops if d["reason"].startswith("validation:") and "grades" not in d]

@@ -34,6 +34,8 @@ def test_summarize_counts_and_reasons() -> None:
     assert set(why) == {"flaky", "never", "trivial", "broken", "infra"}
     assert "1 of 3" in why["flaky"] and "flaky" in why["flaky"] and "run 2" in why["flaky"]
     assert "3 of 3" in why["never"] and "missing" in why["never"]
+    lazy = RunOutcome(0.0, failed=("test_six.py::test_lazy: failed",))  # no error: a target failed
+    assert reason(TaskCheck("t", (lazy,) * 3)).endswith("(reward 0: test_six.py::test_lazy: failed did not pass)")
     assert "empty patch already passes" in why["trivial"]
     assert "gold.patch is empty" in why["broken"]
     assert "infrastructure error" in why["infra"]
@@ -50,7 +52,8 @@ def test_grade_flags_name_every_run_and_its_tamper_reasons() -> None:
     assert [g["run"] for g in flags["grades"]] == ["gold 1", "gold 2", "gold 3"]
     assert flags["grades"][1]["tamper"] == [canary] and flags["grades"][1]["canaries_ok"] is False
     assert flags["grades"][0] == {"run": "gold 1", "reward": 1.0, "error": None, "infra_error": False,
-                                  "tampered": False, "tamper_suspect": [], "tamper": [], "canaries_ok": None}
+                                  "tampered": False, "tamper_suspect": [], "tamper": [], "canaries_ok": None,
+                                  "failed": []}
     json.dumps(flags)  # goes into the build report as is
     suspect = RunOutcome(1.0, tamper_suspect=("six.py:216: sys.modules",), canaries_ok=True)
     flags = grade_flags(TaskCheck("t", (suspect,), RunOutcome(0.0)))

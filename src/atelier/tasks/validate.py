@@ -36,6 +36,8 @@ class RunOutcome:
     """Why the run was `tampered` (a wrong canary is named here)."""
     canaries_ok: bool | None = None
     """`GradeResult.canaries_ok`: None when the canaries were not checked."""
+    failed: tuple[str, ...] = ()
+    """Target tests that did not pass, as "node: status" (the first few)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +60,8 @@ def reason(check: TaskCheck) -> str | None:
     if failed:
         i, first = failed[0]
         what = "infrastructure error" if first.infra_error else "reward {:g}".format(first.reward)
-        detail = f" ({what}: {first.error})" if first.error else f" ({what})"
+        why = first.error or (", ".join(first.failed) + " did not pass" if first.failed else None)
+        detail = f" ({what}: {why})" if why else f" ({what})"
         flaky = " (flaky: passed in the other runs)" if len(failed) < len(check.gold) else ""
         return (f"gold patch failed in {len(failed)} of {len(check.gold)} run(s){flaky}; "
                 f"first in run {i}{detail}")
@@ -76,14 +79,14 @@ def grade_flags(check: TaskCheck) -> dict:
     task: `{"tampered": any gold or empty run tampered, "tamper_suspect":
     any run flagged by the static screen, "grades": [{"run": "gold 1" ...
     "empty", "reward", "error", "infra_error", "tampered", "tamper",
-    "tamper_suspect", "canaries_ok"}]}`. A gold patch dropped with
+    "tamper_suspect", "canaries_ok", "failed"}]}`. A gold patch dropped with
     `tampered` set is a false positive of the grader, not a bad task."""
     runs = [(f"gold {i}", r) for i, r in enumerate(check.gold, 1)]
     runs += [("empty", check.empty)] if check.empty is not None else []
     return {"tampered": any(r.tampered for _, r in runs),
             "tamper_suspect": any(r.tamper_suspect for _, r in runs),
-            "grades": [{"run": name, **dataclasses.asdict(r),
-                        "tamper": list(r.tamper), "tamper_suspect": list(r.tamper_suspect)}
+            "grades": [{"run": name, **dataclasses.asdict(r), "tamper": list(r.tamper),
+                        "tamper_suspect": list(r.tamper_suspect), "failed": list(r.failed)}
                        for name, r in runs]}
 
 
@@ -127,9 +130,16 @@ def task_dirs(path: str | Path) -> list[Path]:
     return dirs
 
 
+FAILED_SHOWN = 5
+"""Failed targets a run outcome keeps (the reason names them)."""
+
+
 def _outcome(result) -> RunOutcome:
+    failed = [f"{node}: {status}" for node, status in result.tests.items() if status != "passed"]
+    more = [f"+{len(failed) - FAILED_SHOWN} more"] if len(failed) > FAILED_SHOWN else []
     return RunOutcome(result.reward, result.error, result.infra_error, result.tampered,
-                      tuple(result.tamper_suspect), tuple(result.tamper), result.canaries_ok)
+                      tuple(result.tamper_suspect), tuple(result.tamper), result.canaries_ok,
+                      tuple(failed[:FAILED_SHOWN] + more))
 
 
 def check_task(task: Task, runs: int = 3, *, backend: str = "bwrap",
