@@ -34,8 +34,8 @@ def test_summarize_counts_and_reasons() -> None:
     assert set(why) == {"flaky", "never", "trivial", "broken", "infra"}
     assert "1 of 3" in why["flaky"] and "flaky" in why["flaky"] and "run 2" in why["flaky"]
     assert "3 of 3" in why["never"] and "missing" in why["never"]
-    lazy = RunOutcome(0.0, failed=("test_six.py::test_lazy: failed",))  # no error: a target failed
-    assert reason(TaskCheck("t", (lazy,) * 3)).endswith("(reward 0: test_six.py::test_lazy: failed did not pass)")
+    lazy = RunOutcome(0.0, failed=("test_six.py::test_lazy (failed)",))  # no error: a target failed
+    assert reason(TaskCheck("t", (lazy,) * 3)).endswith("(reward 0: not passed: test_six.py::test_lazy (failed))")
     assert "empty patch already passes" in why["trivial"]
     assert "gold.patch is empty" in why["broken"]
     assert "infrastructure error" in why["infra"]

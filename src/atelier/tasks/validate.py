@@ -37,7 +37,7 @@ class RunOutcome:
     canaries_ok: bool | None = None
     """`GradeResult.canaries_ok`: None when the canaries were not checked."""
     failed: tuple[str, ...] = ()
-    """Target tests that did not pass, as "node: status" (the first few)."""
+    """Target tests that did not pass, as "node (status)" (the first few)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +60,7 @@ def reason(check: TaskCheck) -> str | None:
     if failed:
         i, first = failed[0]
         what = "infrastructure error" if first.infra_error else "reward {:g}".format(first.reward)
-        why = first.error or (", ".join(first.failed) + " did not pass" if first.failed else None)
+        why = first.error or ("not passed: " + ", ".join(first.failed) if first.failed else None)
         detail = f" ({what}: {why})" if why else f" ({what})"
         flaky = " (flaky: passed in the other runs)" if len(failed) < len(check.gold) else ""
         return (f"gold patch failed in {len(failed)} of {len(check.gold)} run(s){flaky}; "
@@ -135,7 +135,7 @@ FAILED_SHOWN = 5
 
 
 def _outcome(result) -> RunOutcome:
-    failed = [f"{node}: {status}" for node, status in result.tests.items() if status != "passed"]
+    failed = [f"{node} ({status})" for node, status in result.tests.items() if status != "passed"]
     more = [f"+{len(failed) - FAILED_SHOWN} more"] if len(failed) > FAILED_SHOWN else []
     return RunOutcome(result.reward, result.error, result.infra_error, result.tampered,
                       tuple(result.tamper_suspect), tuple(result.tamper), result.canaries_ok,
