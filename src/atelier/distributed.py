@@ -124,13 +124,19 @@ def env_world() -> int:
 
 
 def init_ranks(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> Ranks:
-    """Join the process group named by torchrun's environment variables (none: one rank)."""
+    """Join the process group named by torchrun's environment variables (none: one rank).
+
+    Every trainer process (RL, pretrain/SFT) starts here, so on the CPU this is also where
+    it calls `return_freed_memory`, before any weight or activation is allocated.
+    """
     import torch.distributed as dist
 
     world = env_world()
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
     dev = pick_device(device, local_rank)
+    if dev.type == "cpu":
+        return_freed_memory()   # activations' freed memory does not stay resident
     if world > 1 and not dist.is_initialized():
         for key in ("MASTER_ADDR", "MASTER_PORT"):
             if key not in os.environ:

@@ -197,3 +197,45 @@ def test_large_freed_cpu_tensors_go_back_to_the_os():
         held = rss_mib()
         del x
         assert held - rss_mib() >= 15
+
+
+FREED_PROBE = """
+import json
+from pathlib import Path
+import torch
+from atelier import distributed as D
+
+def rss_mib():
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) / 1024
+
+def returned():
+    drops = []
+    for _ in range(3):
+        x = torch.ones(16 << 18)
+        held = rss_mib()
+        del x
+        drops.append(held - rss_mib())
+    return drops[-1]
+
+before = returned()
+D.init_ranks("cpu")
+print(json.dumps([before, returned()]))
+"""
+
+
+def test_every_cpu_trainer_process_returns_freed_memory():
+    """`init_ranks`, where the RL and the pretrain/SFT trainers both start, applies
+    `return_freed_memory` on the CPU (a fresh process: the setting is process-wide)."""
+    import subprocess
+    import sys
+
+    if not D.return_freed_memory():
+        pytest.skip("not glibc")
+    env = {k: v for k, v in rank_env().items() if not k.startswith(("MALLOC_", "WORLD_SIZE", "RANK"))}
+    out = subprocess.run([sys.executable, "-c", FREED_PROBE], env=env, capture_output=True, text=True,
+                         check=True, timeout=120)
+    before, after = json.loads(out.stdout.strip().splitlines()[-1])
+    assert before < 5, "glibc kept the freed tensor before init_ranks (the behaviour being fixed)"
+    assert after >= 15

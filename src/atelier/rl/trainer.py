@@ -65,8 +65,6 @@ class Trainer:
         self.cfg, self.temperature, self.step = cfg, temperature, step
         self.ranks = ranks or D.init_ranks(cfg.device, cfg.timeout_s)
         self.precision = D.resolve_precision(cfg.precision, self.ranks.device)
-        if self.ranks.device.type == "cpu":
-            D.return_freed_memory()   # activations' freed memory does not stay resident
         dtype = getattr(torch, cfg.dtype)
         lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         lm.train()
