@@ -118,7 +118,8 @@ def main() -> None:
         def rel(a, b):
             return float((a - b).norm() / b.norm())
 
-        result["compiled_speedup"] = {name: ratio(f"layer_{name}", f"layer_{name}_compiled") for name in ("fp32", "bf16")}
+        result["compiled_speedup"] = {name: ratio(f"layer_{name}", f"layer_{name}_compiled")
+                                      for name in ("fp32", "bf16")}
         result["bf16_compiled_over_fp32_eager"] = ratio("layer_fp32", "layer_bf16_compiled")
         result["compile_warmup_wall_s"] = {name: warm_s[f"layer_{name}_compiled"] for name in ("fp32", "bf16")}
         result["compiled_vs_eager_rel_err"] = {
