@@ -30,7 +30,7 @@ def samples_from_sampler(path, n: int = 3, routes: bool = True) -> list[Sample]:
         ids, logps, r = sample_with_cache(model, prompt, n_new=10, seed=i)
         mask = [0] * len(prompt) + [1] * 10
         mu = [0.0] * len(prompt) + logps
-        out.append(Sample(ids, mask, mu, [0] * len(ids), advantage=1.0 - i, group_id="g", task_id=f"t{i}",
+        out.append(Sample(ids, mask, mu, [0] * len(ids), advantage=1.0 - 0.75 * i, group_id="g", task_id=f"t{i}",
                           routes=pack_routes(r, 8) if routes else None))
     return out
 

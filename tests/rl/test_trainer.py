@@ -98,3 +98,23 @@ def test_activation_checkpointing_takes_the_same_step(tiny_model_dir):
     assert m1["grad_norm"] == pytest.approx(m0["grad_norm"], rel=1e-5)
     for k in w0:
         torch.testing.assert_close(w1[k], w0[k], rtol=1e-5, atol=1e-6)
+
+
+def test_zero_advantage_samples_are_not_run_and_change_nothing(tiny_model_dir):
+    """With kl_beta = 0 a zero-advantage sample adds nothing to the gradient: the step is the
+    same without it, and it is counted, not trained (with kl_beta > 0 it is trained)."""
+    g = torch.Generator().manual_seed(3)
+    samples = [Sample(torch.randint(0, 256, (9,), generator=g).tolist(), [0] + [1] * 8, [0.0] + [-3.0] * 8,
+                      [-1] + [0] * 8, adv, "g", "t") for adv in (0.5, 0.0, -0.5, 0.0)]
+    out = []
+    for batch in (samples, [s for s in samples if s.advantage]):
+        trainer = Trainer(tiny_model_dir, TrainerConfig(precision="fp32", norm_tokens=16.0, lr=1e-3))
+        out.append((trainer.train_step(batch), trainer.model.state_dict()))
+    (m_all, w_all), (m_some, w_some) = out
+    assert m_all["skipped_zero_advantage"] == 2 and m_some["skipped_zero_advantage"] == 0
+    assert m_all["train_tokens"] == m_some["train_tokens"] == 16
+    assert m_all["staleness_hist"] == {"0": 32}   # staleness still counts every sample of the step
+    for k in w_all:
+        torch.testing.assert_close(w_all[k], w_some[k], rtol=0, atol=0)
+    trainer = Trainer(tiny_model_dir, TrainerConfig(precision="fp32", norm_tokens=16.0, kl_beta=0.1))
+    assert trainer.train_step(samples)["skipped_zero_advantage"] == 0
