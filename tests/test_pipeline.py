@@ -257,4 +257,4 @@ def test_every_sft_option_reaches_the_sft_phase(tmp_path: Path) -> None:
     assert (phase.steps, phase.lr, phase.grad_accum, phase.micro_batch, phase.seq_len, phase.warmup_steps) == \
         (5, 3e-5, 2, 2, 512, 0)
     # enabled and replay belong to the sft-data stage (which gold replays, how), not to the phase.
-    assert set(SftStage.model_fields) - {"enabled", "replay"} <= set(phase.model_fields) | {"precision"}
+    assert set(SftStage.model_fields) - {"enabled", "replay"} <= set(type(phase).model_fields) | {"precision"}
