@@ -169,7 +169,8 @@ class GradeResult:
     canaries_ok: bool | None = None
     """Whether every canary got the outcome it must (a wrong one is also a
     `tamper` reason naming it); None when they were not checked: pytest did
-    not run the tests (exit other than 0 or 1) or the run never got that far."""
+    not run the tests (exit other than 0 or 1) or the run never got that far
+    (`atelier.tasks.tamper.verdict` decides both)."""
     oom_killed: bool = False
     """The test run was killed for passing the sandbox's memory limit, under
     which the task's reference runs: the patch's failure (reward 0, `error`
@@ -367,9 +368,7 @@ def grade_in(sb: Sandbox, task: Task, patch: str, python: str | None, *,
     result = score(f2p, p2p, results, found.exit_code, timed_out=run.timed_out and not finished,
                    timeout_s=timeout, log_tail=tail, tamper=found.tamper, suspect=suspect,
                    others=others)
-    checked = found.results is not None and found.exit_code in (0, 1)
-    return dataclasses.replace(result, canaries_ok=None if not checked else all(
-        others.get(node, "missing") == want for node, want in canaries.expected.items()))
+    return dataclasses.replace(result, canaries_ok=found.canaries_ok)
 
 
 def reference_patch(task: Task) -> str:

@@ -158,6 +158,9 @@ class Verdict:
     exit_code: int | None
     """pytest's exit code as the reporter saw it (`pytest.main`'s return)."""
     tamper: list[str]
+    canaries_ok: bool | None = None
+    """Whether every canary got the outcome it must (each wrong one is also
+    a `tamper` reason); None when the tests did not run, so none was checked."""
 
 
 def phase_status(phases: list[tuple[str, str]]) -> str | None:
@@ -244,9 +247,11 @@ def verdict(stream: Stream, *, process_exit: int | None, canaries: Canaries,
     ran = status in (0, 1)
     if end and not finish and ran:
         tamper.append("pytest returned without finishing the session through the reporter")
+    wrong = []
     if ran:  # the tests ran (not a collection, usage or internal error, which score 0 anyway)
         for node, want in canaries.expected.items():
             got = results.get(node, "missing")
             if got != want:
-                tamper.append(f"canary {node.rsplit('::', 1)[-1]} should have {want}, got {got}")
-    return Verdict(results if (results or end or finish) else None, exit_code, tamper)
+                wrong.append(f"canary {node.rsplit('::', 1)[-1]} should have {want}, got {got}")
+    return Verdict(results if (results or end or finish) else None, exit_code, tamper + wrong,
+                   canaries_ok=not wrong if ran else None)
