@@ -16,7 +16,7 @@ from atelier.config import load_config
 from atelier.eval.compare import mcnemar_one_sided, wilson_interval
 from atelier.eval.records import EvalRecord, ResultsWriter
 from atelier.pipeline.config import RunConfig
-from atelier.pipeline.memory import TreeMemory, tree_pids, tree_rss
+from atelier.pipeline.memory import TreeMemory, tree_memory, tree_pids
 from atelier.pipeline.stages import split_by_file
 from atelier.pipeline.summary import build_summary, zero_variance_fraction
 from atelier.rl.ledger import Ledger
@@ -49,8 +49,8 @@ def test_tree_pids_follows_parent_links() -> None:
 def test_tree_memory_counts_a_child_process() -> None:
     if not Path("/proc/self/statm").exists():
         pytest.skip("no /proc")
-    alone = tree_rss(os.getpid())
-    # A child holding ~200 MB resident: the tree's sum must grow by about that much.
+    alone = tree_memory(os.getpid())
+    # A child holding ~200 MB resident: both sums of the tree must grow by about that much.
     child = subprocess.Popen([sys.executable, "-c", "import sys; b = bytearray(200 << 20); "
                               "print('ready', flush=True); sys.stdin.read()"],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -58,10 +58,34 @@ def test_tree_memory_counts_a_child_process() -> None:
         assert child.stdout.readline().strip() == "ready"
         with TreeMemory(interval_s=0.05) as memory:
             memory.sample()
-        assert memory.peak - alone > 150 << 20
+        assert memory.peak_rss - alone.rss > 150 << 20
+        assert memory.peak_pss - alone.pss > 150 << 20
     finally:
         child.stdin.close()
         child.wait()
+
+
+def test_tree_memory_counts_pages_a_forked_child_shares_once() -> None:
+    """A process holding 200 MB forks two children that only read it: summed RSS
+    counts the 200 MB three times, PSS once (the figure the demo's budget uses)."""
+    if not Path("/proc/self/smaps_rollup").exists():
+        pytest.skip("no smaps_rollup (Linux 4.14+)")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import os, sys\n"
+         "b = bytearray(200 << 20)\n"
+         "for i in range(0, len(b), 4096): b[i] = 1\n"
+         "for _ in range(2):\n"
+         "    if os.fork() == 0: os.read(0, 1); os._exit(0)\n"
+         "print('ready', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        sample = tree_memory(holder.pid)
+        assert sample.rss > 3 * (190 << 20)  # the holder and both children each map the 200 MB
+        assert 190 << 20 < sample.pss < 300 << 20
+    finally:
+        holder.stdin.close()
+        holder.wait()
 
 
 def test_zero_variance_fraction() -> None:
@@ -95,7 +119,8 @@ def test_summary_is_recomputed_from_the_records(tmp_path: Path) -> None:
     (tmp_path / "rl" / "metrics.jsonl").write_text(
         json.dumps({"step": 1, "reward_mean": 0.25, "pass_rate": 0.25}) + "\n"
         + json.dumps({"step": 2, "reward_mean": 0.2, "pass_rate": 0.0}) + "\n")
-    stages = {"eval-before": {"wall_s": 10.0, "peak_rss_mb": 900}, "rl": {"wall_s": 5.5, "peak_rss_mb": 2500}}
+    stages = {"eval-before": {"wall_s": 10.0, "peak_pss_mb": 700, "peak_rss_mb": 900},
+              "rl": {"wall_s": 5.5, "peak_pss_mb": 2100, "peak_rss_mb": 2500}}
 
     summary = build_summary(tmp_path, stages, measure="edit", alpha=0.05)
 
@@ -115,6 +140,7 @@ def test_summary_is_recomputed_from_the_records(tmp_path: Path) -> None:
     assert summary["rl"]["zero_variance_fraction"] == [0.5, 1.0]
     assert summary["rl"]["zero_variance_groups"] == 2 and summary["rl"]["groups"] == 3
     assert summary["wall_s"] == {"eval-before": 10.0, "rl": 5.5} and summary["peak_rss_mb_run"] == 2500
+    assert summary["peak_pss_mb"] == {"eval-before": 700, "rl": 2100} and summary["peak_pss_mb_run"] == 2100
 
 
 def test_too_few_held_out_attempts_is_refused(tmp_path: Path) -> None:

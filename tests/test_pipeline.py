@@ -163,7 +163,7 @@ def test_atelier_run_end_to_end_then_resume(bwrap_ready, recipe: Path, tmp_path:
     assert stages["eval-sft"]["model"] == stages["sft"]["model"]
     assert stages["eval-after"]["model"] == stages["rl"]["model"]
     # Every stage ran in a child and its memory was measured (the whole tree: at least a Python with torch).
-    assert all(stages[s]["peak_rss_mb"] > 50 for s in STAGES)
+    assert all(50 < stages[s]["peak_pss_mb"] <= stages[s]["peak_rss_mb"] for s in STAGES)
     assert (out / "logs" / "rl.log").is_file()
 
     summary = json.loads((out / "summary.json").read_text())
@@ -179,8 +179,8 @@ def test_atelier_run_end_to_end_then_resume(bwrap_ready, recipe: Path, tmp_path:
     assert set(head) >= {"test", "pairs", "improved", "worsened", "alpha", "significant"}
     assert summary["rl"]["steps"] == [1] and len(summary["rl"]["reward_mean"]) == 1
     assert summary["rl"]["zero_variance_fraction_all"] in (0.0, 1.0)
-    assert set(summary["wall_s"]) == set(STAGES) and summary["peak_rss_mb_run"] >= max(
-        stages[s]["peak_rss_mb"] for s in STAGES if s != "report")
+    assert set(summary["wall_s"]) == set(STAGES) and summary["peak_pss_mb_run"] >= max(
+        stages[s]["peak_pss_mb"] for s in STAGES if s != "report")
     html = (out / "report.html").read_text()
     assert "eval-before" in html and "eval-sft" in html and "eval-after" in html
     assert 'id="headline"' in html and "after SFT" in html

@@ -113,9 +113,12 @@ def _caption(summary: dict) -> str:
     zero = (summary.get("rl") or {}).get("zero_variance_fraction_all")
     if zero is not None:
         parts.append(f"RL groups with zero reward variance: {zero:.0%}")
-    peak = summary.get("peak_rss_mb_run")
-    parts.append(f"peak resident memory (whole process tree): {peak / 1024:.2f} GB" if peak is not None
-                 else "peak memory: not measured (no /proc)")
+    pss, rss = summary.get("peak_pss_mb_run"), summary.get("peak_rss_mb_run")
+    if pss is None or rss is None:
+        parts.append("peak memory: not measured (no /proc)")
+    else:  # MiB to GB (10^9 bytes), the unit budgets are set in
+        parts.append(f"peak memory of the whole process tree: {pss * 2 ** 20 / 1e9:.2f} GB (PSS: a page shared by "
+                     f"n processes counts 1/n in each; summed RSS: {rss * 2 ** 20 / 1e9:.2f} GB)")
     parts.append(f"wall time: {summary.get('wall_s_total', 0) / 60:.1f} min")
     return "\n".join(parts)
 

@@ -1,26 +1,47 @@
-"""Peak resident memory of a whole process tree, sampled from /proc.
+"""Peak memory of a whole process tree, sampled from /proc.
 
-`atelier run` holds each stage in a child process (see `atelier.pipeline.isolate`),
+`atelier run` holds each stage in a child process (see `atelier.pipeline.child`),
 and the children start their own (sandboxes, test runs, rollout workers), so
 the peak of any one process says little. `TreeMemory` samples, every
-`interval_s`, the sum of VmRSS over the root process and all its descendants
-and keeps the maximum.
+`interval_s`, the root process and all its descendants and keeps two maxima:
 
-What the figure is: an upper bound on what the tree held resident at the
-sampled moments. Pages shared between processes (a forked child's
-copy-on-write pages, shared libraries) count once per process, so the sum
-overstates; a spike shorter than the interval can be missed, so it may
-understate a short burst. Off Linux (no /proc) it reports None.
+- `peak_pss`, the figure a memory budget is checked against: the sum of each
+  process's proportional set size (`Pss` in /proc/PID/smaps_rollup), where a
+  page shared by n processes (a forked child's copy-on-write pages, the same
+  shared library mapped by every worker) counts 1/n in each. Summed over a
+  tree it is what the tree holds in RAM (pages it shares with processes
+  outside the tree count only their share). A process whose smaps_rollup
+  cannot be read (an older kernel, no permission) counts its RSS instead,
+  which can only overstate.
+- `peak_rss`, the sum of every process's VmRSS: an upper bound that counts a
+  shared page once per process sharing it. A stage that forks workers from a
+  process holding a model reports the model once per worker here.
+
+A spike shorter than the interval can be missed. Off Linux (no /proc) both
+are None.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
 PROC = Path("/proc")
+PEAK_KEYS = ("peak_pss_mb", "peak_rss_mb")
+"""How `stages.json` and `summary.json` name the two peaks, in MiB."""
+
+
+@dataclass(frozen=True)
+class TreeSample:
+    """Bytes resident in a process tree at one moment."""
+
+    rss: int
+    """Sum of VmRSS: shared pages counted once per process."""
+    pss: int
+    """Sum of Pss: shared pages split among the processes sharing them."""
 
 
 def tree_pids(parents: Mapping[int, int], root: int) -> set[int]:
@@ -56,23 +77,43 @@ def _read_procs(proc: Path = PROC) -> tuple[dict[int, int], dict[int, int]]:
     return parents, rss
 
 
-def tree_rss(root: int, proc: Path = PROC) -> int | None:
-    """Resident bytes of `root` and its descendants now; None without /proc."""
+def process_pss(pid: int, proc: Path = PROC) -> int | None:
+    """Proportional set size of `pid` in bytes; None where smaps_rollup cannot be read."""
+    try:
+        text = (proc / str(pid) / "smaps_rollup").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def tree_memory(root: int, proc: Path = PROC) -> TreeSample | None:
+    """What `root` and its descendants hold resident now; None without /proc."""
     if not (proc / str(root)).is_dir():
         return None
     parents, rss = _read_procs(proc)
-    return sum(rss.get(pid, 0) for pid in tree_pids(parents, root))
+    pids = tree_pids(parents, root)
+    total_rss = total_pss = 0
+    for pid in pids:
+        resident = rss.get(pid, 0)
+        pss = process_pss(pid, proc) if resident else 0
+        total_rss += resident
+        total_pss += resident if pss is None else pss
+    return TreeSample(rss=total_rss, pss=total_pss)
 
 
 class TreeMemory:
-    """A background sampler of `tree_rss(root)`; `peak` is the largest sum seen
-    since start (or the last `reset`), in bytes."""
+    """A background sampler of `tree_memory(root)`; `peak_pss` and `peak_rss`
+    are the largest sums seen since start (or the last `reset`), in bytes."""
 
     def __init__(self, root: int | None = None, interval_s: float = 0.5) -> None:
         self.root = root or os.getpid()
         self.interval_s = interval_s
-        self.peak: int | None = None
-        self.now: int | None = None
+        self.peak_pss: int | None = None
+        self.peak_rss: int | None = None
+        self.now: TreeSample | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="tree-memory", daemon=True)
@@ -87,19 +128,26 @@ class TreeMemory:
         self._thread.join()
         self.sample()
 
-    def sample(self) -> int | None:
-        value = tree_rss(self.root)
+    def sample(self) -> TreeSample | None:
+        value = tree_memory(self.root)
         with self._lock:
             self.now = value
-            if value is not None and (self.peak is None or value > self.peak):
-                self.peak = value
+            if value is not None:
+                self.peak_pss = max(value.pss, self.peak_pss or 0)
+                self.peak_rss = max(value.rss, self.peak_rss or 0)
         return value
 
-    def reset(self) -> int | None:
-        """Start a new peak (a new stage); return the old one."""
+    def peaks_mb(self) -> dict[str, int | None]:
+        """Both peaks in MiB, keyed by `PEAK_KEYS`."""
         with self._lock:
-            old, self.peak = self.peak, self.now
-        return old
+            peaks = (self.peak_pss, self.peak_rss)
+        return {key: None if peak is None else round(peak / 2 ** 20) for key, peak in zip(PEAK_KEYS, peaks)}
+
+    def reset(self) -> None:
+        """Start new peaks (a new stage) from the last sample."""
+        with self._lock:
+            self.peak_pss = None if self.now is None else self.now.pss
+            self.peak_rss = None if self.now is None else self.now.rss
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -27,12 +27,14 @@ Memory: with `isolate_stages` (the default) every stage but the report runs
 in a child process (`atelier.pipeline.child`), so what a stage held goes
 back to the system when it ends; the parent only waits, relays the child's
 progress events and samples the whole process tree's resident memory
-(`atelier.pipeline.memory`), recorded per stage as `peak_rss_mb`.
+(`atelier.pipeline.memory`), recorded per stage as `peak_pss_mb` (shared
+pages split among the processes sharing them: the figure a budget is checked
+against) and `peak_rss_mb` (summed RSS, an upper bound).
 
 Every stage writes into its own directory of the run and is marked done in
 `stages.json` only when it finished; running the same command again skips
 finished stages and resumes the unfinished one (each of eval, SFT and RL
-resumes on its own). A resumed stage's `wall_s` and `peak_rss_mb` cover all
+resumes on its own). A resumed stage's `wall_s` and peak memory cover all
 its starts (`starts`; the last one's time is `wall_s_last_start`), so
 the summary's time is what the stage cost, not what its last start did.
 The run's configuration is frozen in `config.toml` at
@@ -94,7 +96,7 @@ class _Ledger:
 
     def begin(self, stage: str, now: float, last_activity: float | None) -> None:
         """Record a start of `stage` at `now`, closing a killed earlier one."""
-        t = self.time.setdefault(stage, {"earlier_s": 0.0, "starts": 0, "peak_rss_mb": None})
+        t = self.time.setdefault(stage, {"earlier_s": 0.0, "starts": 0})
         if "started" in t:
             killed_at = last_activity if last_activity is not None else t["started"]
             t["earlier_s"] += max(0.0, min(killed_at, now) - t.pop("started"))
@@ -102,15 +104,19 @@ class _Ledger:
         t["started"] = now
         self._write_time()
 
-    def end(self, stage: str, now: float, peak_rss_mb: int | None) -> tuple[float, float, int | None]:
-        """Close the running start: (wall time of all starts, of this one, peak of all)."""
+    def end(self, stage: str, now: float,
+            peaks_mb: Mapping[str, int | None]) -> tuple[float, float, dict[str, int]]:
+        """Close the running start: (wall time of all starts, of this one, peaks of all).
+
+        `peaks_mb`: this start's peak per measure (`TreeMemory.peaks_mb`)."""
         t = self.time[stage]
         this = max(0.0, now - t.pop("started"))
         t["earlier_s"] += this
-        if peak_rss_mb is not None:
-            t["peak_rss_mb"] = max(peak_rss_mb, t.get("peak_rss_mb") or 0)
+        for key, value in peaks_mb.items():
+            if value is not None:
+                t[key] = max(value, t.get(key) or 0)
         self._write_time()
-        return t["earlier_s"], this, t["peak_rss_mb"]
+        return t["earlier_s"], this, {key: t[key] for key in peaks_mb if t.get(key) is not None}
 
     def _write_time(self) -> None:
         atomic_write(self.time_path, json.dumps(self.time, indent=1) + "\n")
@@ -159,10 +165,9 @@ def run_pipeline(config: RunConfig, run_dir: str | Path, *, recipe_dir: str | Pa
                     outputs = context.run(stage)
             finally:
                 memory.sample()
-                peak = None if memory.peak is None else round(memory.peak / 2 ** 20)
-                wall, this, peak = ledger.end(stage, time.time(), peak)
+                wall, this, peaks = ledger.end(stage, time.time(), memory.peaks_mb())
             starts = ledger.time[stage]["starts"]
-            outputs.update(wall_s=round(wall, 1), peak_rss_mb=peak, starts=starts)
+            outputs.update(wall_s=round(wall, 1), **peaks, starts=starts)
             if starts > 1:
                 outputs["wall_s_last_start"] = round(this, 1)
             ledger.finish(stage, outputs)
@@ -420,8 +425,8 @@ class _Context:
         from atelier.pipeline.summary import build_summary
 
         stages = dict(self.ledger.done)
-        if self.memory is not None and self.memory.peak is not None:
-            stages["report"] = {"peak_rss_mb": round(self.memory.peak / 2 ** 20)}
+        if self.memory is not None:
+            stages["report"] = {k: v for k, v in self.memory.peaks_mb().items() if v is not None}
         h = self.config.headline
         summary = build_summary(self.run_dir, stages, measure=h.measure, alpha=h.alpha)
         write_json(self.run_dir / "summary.json", summary)

@@ -12,9 +12,11 @@ from what the stages left on disk (never copied from a log line).
 - `rl`: the reward, pass-rate and zero-variance curves per optimizer step
   (from `rl/metrics.jsonl` and `rl/ledger.jsonl`); a group whose members all
   got the same reward has zero advantage and teaches nothing;
-- `wall_s` and `peak_rss_mb` per stage (from `stages.json`), over every
+- `wall_s` and peak memory per stage (from `stages.json`), over every
   start of a resumed stage (`stage_starts`), and the run's peak (the largest
-  stage peak: stages run one after another).
+  stage peak: stages run one after another): `peak_pss_mb` (shared pages
+  split among their processes: what the budget is checked against) and
+  `peak_rss_mb` (summed RSS, an upper bound; see `atelier.pipeline.memory`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any, Sequence
 
 from atelier.eval.compare import MEASURES, evaluation_figures, mcnemar_one_sided, pair_attempts
 from atelier.eval.records import read_records
+from atelier.pipeline.memory import PEAK_KEYS
 
 EVALUATIONS = {"before": "eval-before", "after_sft": "eval-sft", "after_rl": "eval-after"}
 """Summary label -> the stage (and run subdirectory) that evaluated."""
@@ -85,7 +88,8 @@ def build_summary(run_dir: Path, stages: dict[str, dict[str, Any]], *, measure: 
             result = mcnemar_one_sided(pair_attempts(records["after_sft"], records["after_rl"], fn))
             tests[name] = {**result, "compared": "after_rl vs after_sft", "alpha": alpha,
                            "significant": result["p_value"] < alpha}
-    peaks = {s: o.get("peak_rss_mb") for s, o in stages.items() if o.get("peak_rss_mb") is not None}
+    peaks = {key: {s: o[key] for s, o in stages.items() if o.get(key) is not None}
+             for key in PEAK_KEYS}
     return {
         "headline": {"measure": measure, "pre_registered": True, **(tests.get(measure) or {})},
         "other_tests": {k: {**v, "pre_registered": False} for k, v in tests.items() if k != measure},
@@ -94,6 +98,6 @@ def build_summary(run_dir: Path, stages: dict[str, dict[str, Any]], *, measure: 
         "wall_s": {s: o.get("wall_s") for s, o in stages.items()},
         "stage_starts": {s: o.get("starts", 1) for s, o in stages.items() if "wall_s" in o},
         "wall_s_total": round(sum(o.get("wall_s") or 0.0 for o in stages.values()), 1),
-        "peak_rss_mb": peaks,
-        "peak_rss_mb_run": max(peaks.values(), default=None),
+        **peaks,
+        **{f"{key}_run": max(by_stage.values(), default=None) for key, by_stage in peaks.items()},
     }
