@@ -256,5 +256,5 @@ def test_every_sft_option_reaches_the_sft_phase(tmp_path: Path) -> None:
     assert cfg.precision == "bf16" and cfg.seed == 3 and cfg.model == "m" and phase.trajectories == ["t"]
     assert (phase.steps, phase.lr, phase.grad_accum, phase.micro_batch, phase.seq_len, phase.warmup_steps) == \
         (5, 3e-5, 2, 2, 512, 0)
-    # enabled and replay belong to the sft-data stage (which gold replays, how), not to the phase.
-    assert set(SftStage.model_fields) - {"enabled", "replay"} <= set(type(phase).model_fields) | {"precision"}
+    # enabled, replay and tasks belong to the sft-data stage (which gold replays, how), not to the phase.
+    assert set(SftStage.model_fields) - {"enabled", "replay", "tasks"} <= set(type(phase).model_fields) | {"precision"}

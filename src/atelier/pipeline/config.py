@@ -79,6 +79,14 @@ class SftStage(AtelierConfig):
     """How a gold patch is replayed: "located" finds the function the prompt names with grep and
     reads from its definition (what a policy can do on a task it never saw); "gold" reads at the
     patch's own line numbers (`atelier.pipeline.replays`)."""
+    tasks: Optional[int] = Field(None, ge=1)
+    """Divide the train split between SFT and RL: at most this many train tasks have their gold
+    replayed for the warm start, and RL trains only on the others. They are chosen as the held-out
+    tasks are (`tasks.split`: with "file", whole groups of tasks sharing a source file, so the two
+    sets share no file; seeded by `tasks.seed`). None: SFT replays every train task and RL trains
+    on the same tasks. A policy that memorised a task's replay does the same in every member of
+    its group, so such groups have zero advantage; on tasks SFT never saw it is in the regime of
+    held-out tasks."""
     steps: int = Field(8, ge=1)
     seq_len: int = Field(2048, gt=1)
     micro_batch: int = Field(1, ge=1)

@@ -309,18 +309,30 @@ class _Context:
             raise PipelineError(f"only {len(ids)} tasks were built from {t.package}, and {t.test_count} are "
                                 "to be held out for testing", hint="raise tasks.count, lower tasks.test_count, "
                                 f"or see {out / 'build-report.json'} for what was dropped and why")
-        if t.split == "file":
-            from atelier.tasks.loader import load_suite
+        from atelier.tasks.loader import load_suite
 
-            test = split_by_file({task.id: task_files(task) for task in load_suite(out)}, t.test_count, t.seed)
-            if not test or len(test) == len(ids):
-                raise PipelineError(f"the {len(ids)} tasks built from {t.package} cannot be split by file: they "
-                                    "all share files", hint="mutate a package with more source files, or set "
-                                    'tasks.split = "random"')
-        else:
-            test = set(random.Random(t.seed).sample(ids, t.test_count))
+        test = hold_apart({task.id: task_files(task) for task in load_suite(out)}, t.test_count, t.seed, t.split)
+        if not test or len(test) == len(ids):
+            raise PipelineError(f"the {len(ids)} tasks built from {t.package} cannot be split by file: they "
+                                "all share files", hint="mutate a package with more source files, or set "
+                                'tasks.split = "random"')
         _write_splits(out, {i: "test" if i in test else "train" for i in ids})
         return {"dir": str(out), "train": len(ids) - len(test), "test": len(test), "split": t.split}
+
+    def train_tasks(self, side: str) -> list[Any]:
+        """The train tasks of `side`: "sft" (whose gold is replayed for the warm start) or "rl"
+        (which RL trains on). Every train task for both, unless `sft.tasks` divides them."""
+        from atelier.tasks.loader import load_suite
+
+        tasks = load_suite(self.output("tasks", "dir"), split="train")
+        count, t = self.config.sft.tasks, self.config.tasks
+        if count is None:
+            return tasks
+        sft = hold_apart({task.id: task_files(task) for task in tasks}, count, t.seed, t.split)
+        if not sft:
+            raise PipelineError(f"the {len(tasks)} train tasks cannot be divided between SFT and RL by file: "
+                                "they all share files", hint='set tasks.split = "random", or remove sft.tasks')
+        return [task for task in tasks if (task.id in sft) == (side == "sft")]
 
     # --- evaluation --------------------------------------------------------------
     def _evaluate(self, model_path: str, out: Path) -> dict[str, Any]:
@@ -358,12 +370,11 @@ class _Context:
     # --- SFT warm start ----------------------------------------------------------
     def stage_sft_data(self) -> dict[str, Any]:
         from atelier.eval.runner import EvalConfig, run_eval
-        from atelier.tasks.loader import load_suite
 
         if not self.config.sft.enabled:
             return {"kept": 0, "skipped": True}
         out = self.run_dir / "sft-data"
-        tasks = load_suite(self.output("tasks", "dir"), split="train")
+        tasks = self.train_tasks("sft")
         policy = GoldReplay(self.output("model", "path"), kind=self.config.sft.replay)
         cfg = EvalConfig(passes=1, concurrency=self.config.eval.concurrency, backend=self.config.tasks.backend)
         # A replay writes whole files in one turn: give it room the policy's turn budget may not.
@@ -374,7 +385,8 @@ class _Context:
         summary = run_eval(policy, tasks, out, config=cfg, agent_config=replay_agent,
                            progress=self._progress("gold replay"))
         kept = sum(1 for r in summary_records(out) if (r.reward or 0) >= 1.0)
-        return {"dir": str(out / "trajectories"), "kept": kept, "replayed": len(tasks)}
+        return {"dir": str(out / "trajectories"), "kept": kept, "replayed": len(tasks),
+                "tasks": sorted(task.id for task in tasks)}
 
     def stage_sft(self) -> dict[str, Any]:
         from atelier.pretrain.train import run_pretrain
@@ -398,8 +410,9 @@ class _Context:
         from atelier.rl.config import EnvConfig, TasksEnvConfig
         from atelier.rl.run import run_training
 
+        only = None if self.config.sft.tasks is None else sorted(task.id for task in self.train_tasks("rl"))
         env = EnvConfig(kind="tasks", tasks=TasksEnvConfig(
-            suite=self.output("tasks", "dir"), split="train", backend=self.config.tasks.backend,
+            suite=self.output("tasks", "dir"), split="train", tasks=only, backend=self.config.tasks.backend,
             agent=self.config.eval.agent))
         cfg = rl_train_config(self.config, model=self.output("sft", "model"), env=env)
         out = self.run_dir / "rl"
@@ -415,7 +428,8 @@ class _Context:
         if not summary.checkpoint:
             raise PipelineError("RL finished without a checkpoint (no step was trained)",
                                 hint=f"see {out / 'ledger.jsonl'} for why groups were dropped")
-        return {"dir": str(out), "model": str(Path(summary.checkpoint) / "model"), "steps": summary.steps,
+        outputs = {} if only is None else {"tasks": only}
+        return {"dir": str(out), "model": str(Path(summary.checkpoint) / "model"), "steps": summary.steps, **outputs,
                 "reward_first": summary.reward_first, "reward_last": summary.reward_last}
 
     # --- report ------------------------------------------------------------------
@@ -498,6 +512,15 @@ def task_files(task: Any) -> set[str]:
     from atelier.tasks.swebench import patch_files
 
     return set(patch_files(task.gold_patch))
+
+
+def hold_apart(files: Mapping[str, set[str]], count: int, seed: int, split: str) -> set[str]:
+    """At most `count` of the tasks in `files` (id -> source files), set apart from the rest (pure):
+    held-out tasks from train ones, or the train tasks SFT replays from those RL trains on.
+    `split`: "file" (`split_by_file`: no file shared across) or "random" (a seeded sample)."""
+    if split == "file":
+        return split_by_file(files, count, seed)
+    return set(random.Random(seed).sample(sorted(files), min(count, len(files) - 1)))
 
 
 def split_by_file(files: Mapping[str, set[str]], test_count: int, seed: int) -> set[str]:

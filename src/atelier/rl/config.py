@@ -146,6 +146,8 @@ class TasksEnvConfig(AtelierConfig):
     """A suite directory (atelier.tasks.load_suite) or a single task directory."""
     split: Optional[str] = None
     """Only the suite's tasks of this split (e.g. "train", so held-out test tasks are never trained on)."""
+    tasks: Optional[list[str]] = None
+    """Only these task ids (of the split, when one is given); an id not in the suite is an error."""
     backend: Literal["bwrap", "local"] = "bwrap"
     env_cache: str = ""
     """Where task venvs are built and shared (empty: atelier's cache)."""

@@ -41,6 +41,14 @@ class TaskEnvironment:
             self._tasks = [load_task(source)]
         else:
             self._tasks = load_suite(source, split=cfg.split)
+        if cfg.tasks is not None:
+            known = {task.id for task in self._tasks}
+            missing = sorted(set(cfg.tasks) - known)
+            if missing:
+                where = f"split {cfg.split!r} of {source}" if cfg.split is not None else str(source)
+                raise TaskError(f"env.tasks.tasks names tasks not in {where}: {', '.join(missing)}",
+                                hint="known ids: " + ", ".join(sorted(known)))
+            self._tasks = [task for task in self._tasks if task.id in set(cfg.tasks)]
         self.agent = cfg.agent   # top_p = 1 is checked by the config (TasksEnvConfig)
 
     def tasks(self) -> Sequence[Task]:
