@@ -406,14 +406,21 @@ class _Context:
                 "loss_last": round(losses[-1], 4) if losses else None}
 
     # --- RL ----------------------------------------------------------------------
-    def stage_rl(self) -> dict[str, Any]:
+    def rl_env(self) -> Any:
+        """RL's environment: the train split (only the tasks SFT did not replay, with `sft.tasks`)
+        through the evaluations' agent."""
         from atelier.rl.config import EnvConfig, TasksEnvConfig
-        from atelier.rl.run import run_training
 
         only = None if self.config.sft.tasks is None else sorted(task.id for task in self.train_tasks("rl"))
-        env = EnvConfig(kind="tasks", tasks=TasksEnvConfig(
+        return EnvConfig(kind="tasks", tasks=TasksEnvConfig(
             suite=self.output("tasks", "dir"), split="train", tasks=only, backend=self.config.tasks.backend,
             agent=self.config.eval.agent))
+
+    def stage_rl(self) -> dict[str, Any]:
+        from atelier.rl.run import run_training
+
+        env = self.rl_env()
+        only = env.tasks.tasks
         cfg = rl_train_config(self.config, model=self.output("sft", "model"), env=env)
         out = self.run_dir / "rl"
 

@@ -1,0 +1,109 @@
+"""`sft.tasks`: the train split divided between the tasks whose gold replays SFT
+trains on and the tasks RL trains on, on a suite of small tasks written here
+(no sandbox, no model: only how tasks are chosen)."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+
+import pytest
+
+from atelier.pipeline.config import RunConfig
+from atelier.pipeline.stages import _Context, _Ledger, _write_splits, hold_apart, split_by_file, task_files
+from atelier.tasks.schema import PythonEnv, TaskError, TaskLimits, TaskMetadata, TaskSpec
+from atelier.tasks.writer import write_task
+
+# task id -> the source file its gold patch changes; "t1" is held out.
+FILES = {"a1": "pkg/a.py", "a2": "pkg/a.py", "b1": "pkg/b.py", "c1": "pkg/c.py",
+         "d1": "pkg/d.py", "d2": "pkg/d.py", "e1": "pkg/e.py", "t1": "pkg/t.py"}
+
+
+def _suite(root: Path) -> Path:
+    repo = root / "_repo"
+    (repo / "pkg").mkdir(parents=True)
+    for rel in set(FILES.values()):
+        (repo / rel).write_text("X = 1\n")
+    suite = root / "suite"
+    for task_id, rel in FILES.items():
+        diff = f"diff --git a/{rel} b/{rel}\n" + "".join(difflib.unified_diff(
+            ["X = 1\n"], ["X = 2\n"], f"a/{rel}", f"b/{rel}"))
+        spec = TaskSpec(id=task_id, prompt="X is wrong.", env=PythonEnv(python="3.11", system_site_packages=True),
+                        hidden_tests=["tests/test_x.py"], fail_to_pass=["tests/test_x.py::test_x"],
+                        metadata=TaskMetadata(source="test", category="constant", files_changed=1, lines_changed=1),
+                        limits=TaskLimits(timeout_s=60))
+        write_task(suite / task_id, spec, repo, {"tests/test_x.py": "def test_x():\n    pass\n"}, diff)
+    _write_splits(suite, {t: "test" if t == "t1" else "train" for t in FILES})
+    return suite
+
+
+def _context(run_dir: Path, suite: Path, **sft) -> _Context:
+    config = RunConfig.model_validate({
+        "tasks": {"package": "pkg", "path": "repo", "count": 8, "test_count": 1},
+        "headline": {"min_attempts": 1}, "sft": sft})
+    ledger = _Ledger(run_dir)
+    ledger.done["tasks"] = {"dir": str(suite)}
+    return _Context(config, run_dir, run_dir, print, ledger)
+
+
+@pytest.fixture
+def suite(tmp_path: Path) -> Path:
+    return _suite(tmp_path)
+
+
+def test_hold_apart_by_file_is_disjoint_bounded_and_seeded() -> None:
+    files = {t: {f} for t, f in FILES.items()}
+    for seed in range(6):
+        for count in range(1, 7):
+            chosen = hold_apart(files, count, seed, "file")
+            assert chosen == split_by_file(files, count, seed) == hold_apart(files, count, seed, "file")
+            assert 0 < len(chosen) <= count
+            inside = set().union(*(files[t] for t in chosen))
+            assert not inside & set().union(*(files[t] for t in files if t not in chosen))
+    chosen = hold_apart(files, 3, 0, "random")
+    assert len(chosen) == 3 and chosen == hold_apart(files, 3, 0, "random")
+    assert len(hold_apart(files, 99, 0, "random")) == len(files) - 1   # the other side keeps a task
+
+
+def test_sft_and_rl_divide_the_train_split_by_file(tmp_path: Path, suite: Path) -> None:
+    context = _context(tmp_path, suite, tasks=3)
+    sft = {t.id for t in context.train_tasks("sft")}
+    rl = {t.id for t in context.train_tasks("rl")}
+    train = set(FILES) - {"t1"}
+    assert sft and rl and not sft & rl and sft | rl == train and len(sft) <= 3
+    files = {t.id: task_files(t) for t in context.train_tasks("sft") + context.train_tasks("rl")}
+    assert not set().union(*(files[t] for t in sft)) & set().union(*(files[t] for t in rl))
+    # Deterministic: a new context (a resumed run, the rl stage's own process) chooses the same.
+    again = _context(tmp_path, suite, tasks=3)
+    assert {t.id for t in again.train_tasks("sft")} == sft and {t.id for t in again.train_tasks("rl")} == rl
+
+
+def test_without_sft_tasks_both_stages_take_the_whole_train_split(tmp_path: Path, suite: Path) -> None:
+    context = _context(tmp_path, suite)
+    train = set(FILES) - {"t1"}
+    assert {t.id for t in context.train_tasks("sft")} == {t.id for t in context.train_tasks("rl")} == train
+    assert context.rl_env().tasks.tasks is None and context.rl_env().tasks.split == "train"
+
+
+def test_rl_samples_only_the_tasks_sft_did_not_replay(tmp_path: Path, suite: Path) -> None:
+    from atelier.rl.config import RolloutConfig
+    from atelier.rl.shaping import ShapingConfig
+    from atelier.rl.task_env import TaskEnvironment
+
+    context = _context(tmp_path, suite, tasks=3)
+    rl = {t.id for t in context.train_tasks("rl")}
+    env = context.rl_env()
+    assert set(env.tasks.tasks) == rl
+    # What RL samples from: the environment's tasks (atelier.rl.run hands env.tasks() to the reconciler).
+    sampled = TaskEnvironment(env.tasks, RolloutConfig(), ShapingConfig()).tasks()
+    assert {t.id for t in sampled} == rl
+
+
+def test_an_unknown_task_id_is_an_error(suite: Path) -> None:
+    from atelier.rl.config import RolloutConfig, TasksEnvConfig
+    from atelier.rl.shaping import ShapingConfig
+    from atelier.rl.task_env import TaskEnvironment
+
+    with pytest.raises(TaskError, match="t1"):   # held out, so not in the train split
+        TaskEnvironment(TasksEnvConfig(suite=str(suite), split="train", tasks=["a1", "t1"]),
+                        RolloutConfig(), ShapingConfig())
