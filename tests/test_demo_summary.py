@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ from atelier.config import load_config
 from atelier.eval.compare import mcnemar_one_sided, wilson_interval
 from atelier.eval.records import EvalRecord, ResultsWriter
 from atelier.pipeline.config import RunConfig
-from atelier.pipeline.memory import TreeMemory, tree_memory, tree_pids
+from atelier.pipeline.memory import TreeMemory, same_memory, tree_memory, tree_pids
 from atelier.pipeline.stages import split_by_file
 from atelier.pipeline.summary import build_summary, zero_variance_fraction
 from atelier.rl.ledger import Ledger
@@ -86,6 +87,20 @@ def test_tree_memory_counts_pages_a_forked_child_shares_once() -> None:
     finally:
         holder.stdin.close()
         holder.wait()
+
+
+def test_same_memory_tells_a_shared_address_space_from_a_child_process() -> None:
+    """The check that keeps a vfork child (its parent's memory under a second
+    pid until it execs) from being counted as a second copy."""
+    if platform.machine() not in ("x86_64", "aarch64") or not Path("/proc/self").exists():
+        pytest.skip("kcmp is looked up for x86_64 and aarch64 Linux")
+    assert same_memory(os.getpid(), os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        assert not same_memory(os.getpid(), child.pid)
+    finally:
+        child.stdin.close()
+        child.wait()
 
 
 def test_zero_variance_fraction() -> None:

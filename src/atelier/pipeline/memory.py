@@ -17,13 +17,21 @@ the peak of any one process says little. `TreeMemory` samples, every
   shared page once per process sharing it. A stage that forks workers from a
   process holding a model reports the model once per worker here.
 
+One process is never counted twice: a child created by vfork (Python's
+subprocess uses it where it can) runs in its parent's memory until it execs,
+and /proc shows that memory under both pids, so a sample taken in that window
+would count a stage's whole model again. A child whose memory is its
+parent's (`kcmp(KCMP_VM)`) is skipped.
+
 A spike shorter than the interval can be missed. Off Linux (no /proc) both
 are None.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,23 +66,38 @@ def tree_pids(parents: Mapping[int, int], root: int) -> set[int]:
     return seen
 
 
-def _read_procs(proc: Path = PROC) -> tuple[dict[int, int], dict[int, int]]:
-    """(pid -> parent pid, pid -> resident bytes) of every process readable now."""
-    parents, rss = {}, {}
-    page = os.sysconf("SC_PAGE_SIZE")
+def _read_procs(proc: Path = PROC) -> tuple[dict[int, int], dict[int, tuple[int, ...]]]:
+    """(pid -> parent pid, pid -> its statm fields in pages) of every process readable now."""
+    parents, statm = {}, {}
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
         try:
             stat = (entry / "stat").read_text()
-            statm = (entry / "statm").read_text().split()
+            fields = tuple(int(f) for f in (entry / "statm").read_text().split())
         except OSError:  # it ended while we looked
             continue
         pid = int(entry.name)
         # Fields after the command name (which may hold spaces) start at the last ')'.
         parents[pid] = int(stat[stat.rindex(")") + 2:].split()[1])
-        rss[pid] = int(statm[1]) * page
-    return parents, rss
+        statm[pid] = fields
+    return parents, statm
+
+
+_KCMP = {"x86_64": 312, "aarch64": 272}.get(platform.machine())
+_KCMP_VM = 1
+
+
+def same_memory(pid: int, other: int) -> bool:
+    """Whether two processes run in one address space (a vfork child before
+    it execs); False where the kernel cannot say (no kcmp, no permission)."""
+    if _KCMP is None:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return False
+    return libc.syscall(_KCMP, pid, other, _KCMP_VM, 0, 0) == 0
 
 
 def process_pss(pid: int, proc: Path = PROC) -> int | None:
@@ -93,11 +116,14 @@ def tree_memory(root: int, proc: Path = PROC) -> TreeSample | None:
     """What `root` and its descendants hold resident now; None without /proc."""
     if not (proc / str(root)).is_dir():
         return None
-    parents, rss = _read_procs(proc)
-    pids = tree_pids(parents, root)
+    parents, statm = _read_procs(proc)
+    page = os.sysconf("SC_PAGE_SIZE")
     total_rss = total_pss = 0
-    for pid in pids:
-        resident = rss.get(pid, 0)
+    for pid in tree_pids(parents, root):
+        fields, parent = statm.get(pid), parents.get(pid)
+        if not fields or (parent in statm and statm[parent] == fields and same_memory(pid, parent)):
+            continue  # gone, or its parent's memory seen through a vfork child
+        resident = fields[1] * page
         pss = process_pss(pid, proc) if resident else 0
         total_rss += resident
         total_pss += resident if pss is None else pss
