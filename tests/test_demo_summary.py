@@ -12,7 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
+from atelier.cli.run import final_table
 from atelier.config import load_config
 from atelier.eval.compare import mcnemar_one_sided, wilson_interval
 from atelier.eval.records import EvalRecord, ResultsWriter
@@ -156,6 +158,18 @@ def test_summary_is_recomputed_from_the_records(tmp_path: Path) -> None:
     assert summary["rl"]["zero_variance_groups"] == 2 and summary["rl"]["groups"] == 3
     assert summary["wall_s"] == {"eval-before": 10.0, "rl": 5.5} and summary["peak_rss_mb_run"] == 2500
     assert summary["peak_pss_mb"] == {"eval-before": 700, "rl": 2100} and summary["peak_pss_mb_run"] == 2100
+
+    # What `atelier run` prints at the end, from this summary, in an 80-column terminal.
+    console = Console(width=80, record=True, force_terminal=False)
+    console.print(final_table(summary))
+    text = console.export_text()
+    caption = " ".join(text.split())  # the caption wraps at the table's width
+    lo, hi = wilson_interval(8, 32)
+    assert f"25.0% [{100 * lo:.0f}-{100 * hi:.0f}%]" in text    # after RL's pass rate, on one line
+    assert "100.0% [89-100%]" in text                           # after RL's edit rate
+    p_value = f"p = {head['p_value']:.2g} (significant)"
+    assert "16 improved / 0 worsened of 32 pairs" in caption and p_value in caption
+    assert "zero reward variance: 67%" in caption and "2.20 GB" in caption  # 2100 MiB of PSS
 
 
 def test_too_few_held_out_attempts_is_refused(tmp_path: Path) -> None:

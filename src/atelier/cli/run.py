@@ -87,8 +87,8 @@ def final_table(summary: dict) -> "Table":
     for k in keys:
         table.add_column(labels[k], justify="right")
 
-    def interval(iv) -> str:
-        return f" [{iv[0]:.2f}, {iv[1]:.2f}]" if iv else ""
+    def interval(iv) -> str:  # in whole percent, so a cell fits an 80-column terminal on one line
+        return f" [{100 * iv[0]:.0f}-{100 * iv[1]:.0f}%]" if iv else ""
 
     table.add_row("pass rate [95%]", *(_pct(evals[k]["pass_rate"]) + interval(evals[k]["pass_rate_interval_95"])
                                        for k in keys))
@@ -108,7 +108,7 @@ def _caption(summary: dict) -> str:
     if "p_value" in head:
         parts.append(f"headline ({head['measure']}, named in the recipe): after RL vs after SFT, "
                      f"{head['improved']} improved / {head['worsened']} worsened of {head['pairs']} pairs, "
-                     f"one-sided exact McNemar p = {head['p_value']:.4f}"
+                     f"one-sided exact McNemar p = {head['p_value']:.2g}"
                      + (" (significant)" if head["significant"] else " (not significant)"))
     zero = (summary.get("rl") or {}).get("zero_variance_fraction_all")
     if zero is not None:
