@@ -76,6 +76,21 @@ def test_pareto_front_and_training_keys() -> None:
     assert row == {"step": 2, "reward_parts.correct": 1.0, "staleness_mean": 0.5}
 
 
+
+def test_reward_panel_holds_the_reward_terms_only() -> None:
+    """RL's reward_parts as the metrics log writes them: the terms, their total,
+    grading fractions and a raw length of hundreds that would flatten the panel."""
+    rows = [flatten_training_row({"step": s, "reward_mean": r, "reward_parts": {
+        "correctness": c, "edit": e, "length": 0.0, "total": r, "length_x": 345.2, "tamper_suspect_flag": 0.0,
+        "pass": c, "fail_to_pass": c, "pass_to_pass": 0.75}, "pass_rate": c})
+        for s, r, c, e in [(1, 0.5625, 0.375, 0.1875), (2, 0.0, 0.0, 0.0)]]
+    fams = training_families(rows)
+    assert fams["reward"] == ["reward_mean", "reward_parts.correctness", "reward_parts.edit"]
+    assert fams["pass rate"] == ["reward_parts.pass", "reward_parts.fail_to_pass", "reward_parts.pass_to_pass",
+                                 "pass_rate"]
+    assert not any("length" in k or "flag" in k or "total" in k for keys in fams.values() for k in keys)
+
+
 def test_discover_a_training_run_with_eval_subdirs(runs: list[Path]) -> None:
     found = discover_runs(runs[0])
     assert [r.label for r in found] == ["train (training)", "train/eval-after", "train/eval-before"]

@@ -17,6 +17,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 # Training metric families the report plots, each matched by substrings of the JSONL keys.
 TRAINING_FAMILIES: dict[str, tuple[str, ...]] = {
@@ -119,19 +120,36 @@ def _is_float(text: str) -> bool:
 
 
 def training_families(rows: Sequence[dict]) -> dict[str, list[str]]:
-    """Which numeric keys of the training log fall in each plotted family."""
+    """Which numeric keys of the training log fall in each plotted family.
+
+    RL's `reward_parts` (flattened) holds the reward's terms beside numbers
+    that are not rewards (`atelier.rl.shaping`, `atelier.rl.task_env`): the
+    grading fractions (`pass`, `fail_to_pass`, `pass_to_pass`) are plotted
+    as pass rates, the raw length (`length_x`, in units of hundreds) and flags
+    are left out (on the reward's axis they flatten it), and so are terms that
+    are 0 in every row (switched off) and `total` when `reward_mean` is there."""
     keys: dict[str, None] = {}
     for row in rows:
         for key, value in row.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 keys.setdefault(key, None)
-    out: dict[str, list[str]] = {}
-    for family, needles in TRAINING_FAMILIES.items():
-        hits = [k for k in keys if k not in ("step",) and any(n in k.lower() for n in needles)
-                and not any(k in v for v in out.values())]
-        if hits:
-            out[family] = hits
-    return out
+    out: dict[str, list[str]] = {family: [] for family in TRAINING_FAMILIES}
+    for key in keys:
+        family = _reward_part_family(key, rows, has_mean="reward_mean" in keys) if key.startswith(
+            "reward_parts.") else next((f for f, needles in TRAINING_FAMILIES.items()
+                                        if key != "step" and any(n in key.lower() for n in needles)), None)
+        if family is not None:
+            out[family].append(key)
+    return {family: hits for family, hits in out.items() if hits}
+
+
+def _reward_part_family(key: str, rows: Sequence[dict], *, has_mean: bool) -> str | None:
+    part = key.removeprefix("reward_parts.")
+    if "pass" in part:
+        return "pass rate"
+    if part.endswith(("_x", "_flag")) or (part == "total" and has_mean):
+        return None
+    return "reward" if any(_is_num(r.get(key)) and r[key] != 0 for r in rows) else None
 
 
 def training_plot(rows: Sequence[dict], title: str) -> str | None:
@@ -153,6 +171,7 @@ def training_plot(rows: Sequence[dict], title: str) -> str | None:
             ax.plot(xs, ys, marker="." if len(xs) < 50 else None, label=key)
         ax.set_title(family, fontsize=10)
         ax.set_xlabel("step", fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=11)
