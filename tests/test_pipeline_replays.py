@@ -89,7 +89,8 @@ def test_tasks_a_located_replay_cannot_serve_keep_the_harness_replay() -> None:
 def test_a_resumed_stage_counts_the_time_of_every_start(tmp_path: Path) -> None:
     ledger = _Ledger(tmp_path)
     ledger.begin("sft", 1000.0, None)
-    assert ledger.end("sft", 1100.0, 500) == (100.0, 100.0, 500)   # failed after 100 s
+    peaks = {"peak_pss_mb": 500, "peak_rss_mb": 600}
+    assert ledger.end("sft", 1100.0, peaks) == (100.0, 100.0, peaks)   # failed after 100 s
     ledger.begin("sft", 2000.0, None)                                # then killed: never ends
     (tmp_path / "sft").mkdir()
     (tmp_path / "sft" / "step.txt").write_text("x")
@@ -98,9 +99,12 @@ def test_a_resumed_stage_counts_the_time_of_every_start(tmp_path: Path) -> None:
     assert last_activity(tmp_path, "sft") == 2300.0
     reopened = _Ledger(tmp_path)                                    # a new process resumes
     reopened.begin("sft", 5000.0, last_activity(tmp_path, "sft"))   # the killed start ran until 2300
-    assert reopened.end("sft", 5050.0, 300) == (450.0, 50.0, 500)
+    # each measure's peak is the highest of any start
+    assert reopened.end("sft", 5050.0, {"peak_pss_mb": 300, "peak_rss_mb": 900}) == (
+        450.0, 50.0, {"peak_pss_mb": 500, "peak_rss_mb": 900})
     saved = json.loads((tmp_path / "stages-time.json").read_text())["sft"]
     assert saved["starts"] == 3 and "started" not in saved
+    assert (saved["peak_pss_mb"], saved["peak_rss_mb"]) == (500, 900)
 
 
 def test_trim_edit_keeps_the_same_change_and_uniqueness() -> None:
