@@ -58,7 +58,8 @@ def worker(spec: dict) -> None:
 
     torch.set_num_threads(spec["threads"])
     cfg = TrainerConfig(precision=spec["precision"], micro_batch=spec["micro_batch"], device=spec["device"],
-                        activation_checkpointing=spec["activation_checkpointing"], lr=1e-6, norm_tokens=4096)
+                        activation_checkpointing=spec["activation_checkpointing"], lr=1e-6, norm_tokens=4096,
+                        logprob_chunk=spec["logprob_chunk"])
     trainer = Trainer(spec["model"], cfg)
     device = str(trainer.ranks.device)
     dtype = torch.bfloat16 if trainer.precision == "bf16" else torch.float32
@@ -111,6 +112,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--logprob-chunk", type=int, default=512, help="tokens per logprob-head block (rl.trainer.logprob_chunk)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -129,6 +131,7 @@ def main() -> None:
                         "micro_batch": args.micro_batch, "precision": precision, "device": args.device,
                         "threads": max(1, threads // world), "steps": args.steps, "warmup": args.warmup,
                         "activation_checkpointing": args.activation_checkpointing,
+                        "logprob_chunk": args.logprob_chunk,
                         "out": str(Path(tmp) / f"r{world}-{precision}.json")}
                 path = Path(tmp) / f"spec-{world}-{precision}.json"
                 path.write_text(json.dumps(spec))
