@@ -135,9 +135,13 @@ def training_families(rows: Sequence[dict]) -> dict[str, list[str]]:
                 keys.setdefault(key, None)
     out: dict[str, list[str]] = {family: [] for family in TRAINING_FAMILIES}
     for key in keys:
-        family = _reward_part_family(key, rows, has_mean="reward_mean" in keys) if key.startswith(
-            "reward_parts.") else next((f for f, needles in TRAINING_FAMILIES.items()
-                                        if key != "step" and any(n in key.lower() for n in needles)), None)
+        if key.startswith("reward_parts."):
+            family = _reward_part_family(key, rows, has_mean="reward_mean" in keys)
+        elif key == "step":
+            family = None
+        else:
+            family = next((f for f, needles in TRAINING_FAMILIES.items() if any(n in key.lower() for n in needles)),
+                          None)
         if family is not None:
             out[family].append(key)
     return {family: hits for family, hits in out.items() if hits}

@@ -30,6 +30,7 @@ are None.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 import threading
@@ -88,16 +89,19 @@ _KCMP = {"x86_64": 312, "aarch64": 272}.get(platform.machine())
 _KCMP_VM = 1
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
 def same_memory(pid: int, other: int) -> bool:
     """Whether two processes run in one address space (a vfork child before
     it execs); False where the kernel cannot say (no kcmp, no permission)."""
-    if _KCMP is None:
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return False
-    return libc.syscall(_KCMP, pid, other, _KCMP_VM, 0, 0) == 0
+    libc = _libc() if _KCMP is not None else None
+    return libc is not None and libc.syscall(_KCMP, pid, other, _KCMP_VM, 0, 0) == 0
 
 
 def process_pss(pid: int, proc: Path = PROC) -> int | None:

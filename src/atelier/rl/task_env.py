@@ -42,13 +42,13 @@ class TaskEnvironment:
         else:
             self._tasks = load_suite(source, split=cfg.split)
         if cfg.tasks is not None:
-            known = {task.id for task in self._tasks}
-            missing = sorted(set(cfg.tasks) - known)
+            known, wanted = {task.id for task in self._tasks}, set(cfg.tasks)
+            missing = sorted(wanted - known)
             if missing:
                 where = f"split {cfg.split!r} of {source}" if cfg.split is not None else str(source)
                 raise TaskError(f"env.tasks.tasks names tasks not in {where}: {', '.join(missing)}",
                                 hint="known ids: " + ", ".join(sorted(known)))
-            self._tasks = [task for task in self._tasks if task.id in set(cfg.tasks)]
+            self._tasks = [task for task in self._tasks if task.id in wanted]
         self.agent = cfg.agent   # top_p = 1 is checked by the config (TasksEnvConfig)
 
     def tasks(self) -> Sequence[Task]:
