@@ -59,15 +59,18 @@ def worker(spec: dict) -> None:
     torch.set_num_threads(spec["threads"])
     cfg = TrainerConfig(precision=spec["precision"], micro_batch=spec["micro_batch"], device=spec["device"],
                         activation_checkpointing=spec["activation_checkpointing"], lr=1e-6, norm_tokens=4096,
-                        logprob_chunk=spec["logprob_chunk"])
+                        logprob_chunk=spec["logprob_chunk"], share_prefix=spec["share_prefix"])
     trainer = Trainer(spec["model"], cfg)
     device = str(trainer.ranks.device)
     dtype = torch.bfloat16 if trainer.precision == "bf16" else torch.float32
     rate, rate_cpu = matmul_gflops(device, dtype)
     g = torch.Generator().manual_seed(0)
     n, vocab = spec["seq_len"], trainer.model.config.vocab_size
-    samples = [Sample(torch.randint(0, vocab, (n,), generator=g).tolist(), [0] + [1] * (n - 1),
-                      [0.0] + [-3.0] * (n - 1), [-1] + [0] * (n - 1), 1.0 if i % 2 else -1.0, "g", "t")
+    shared = torch.randint(0, vocab, (spec["shared_prefix"],), generator=g).tolist()
+    trained = min(spec["trained"] or n - 1, n - 1)
+    samples = [Sample(shared + torch.randint(0, vocab, (n - len(shared),), generator=g).tolist(),
+                      [0] * (n - trained) + [1] * trained, [0.0] * (n - trained) + [-3.0] * trained,
+                      [-1] * (n - trained) + [0] * trained, 1.0 if i % 2 else -1.0, "g", "t")
                for i in range(spec["batch"])]
     times = []
     for i in range(spec["warmup"] + spec["steps"]):
@@ -92,6 +95,7 @@ def worker(spec: dict) -> None:
         achieved = tokens / step_s * flops_per_token / 1e9
         Path(spec["out"]).write_text(json.dumps({
             "ranks": trainer.ranks.world, "precision": trainer.precision, "device": device,
+            "share_prefix": spec["share_prefix"],
             "threads_per_rank": spec["threads"], "step_s": round(step_s, 3),
             "tokens_per_s": round(tokens / step_s, 1), "matmul_gflops_all_ranks": round(rates, 1),
             "achieved_gflops": round(achieved, 1), "mfu": round(achieved / rates, 4),
@@ -113,6 +117,10 @@ def main() -> None:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--logprob-chunk", type=int, default=512, help="tokens per logprob-head block (rl.trainer.logprob_chunk)")
+    parser.add_argument("--shared-prefix", type=int, default=0,
+                        help="tokens every sample begins with (a system prompt); >0 also times rl.trainer.share_prefix off")
+    parser.add_argument("--trained", type=int, default=0,
+                        help="trained tokens at the end of each sample (an RL rollout's sampled turns); 0: all")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -125,21 +133,27 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory(prefix="atelier-bench-train-") as tmp:
         model = args.model or str(build_model(Path(tmp) / "model"))
-        for world in args.ranks:
-            for precision in args.precisions:
-                spec = {"model": model, "seq_len": args.seq_len, "batch": args.batch,
-                        "micro_batch": args.micro_batch, "precision": precision, "device": args.device,
-                        "threads": max(1, threads // world), "steps": args.steps, "warmup": args.warmup,
-                        "activation_checkpointing": args.activation_checkpointing,
-                        "logprob_chunk": args.logprob_chunk,
-                        "out": str(Path(tmp) / f"r{world}-{precision}.json")}
-                path = Path(tmp) / f"spec-{world}-{precision}.json"
-                path.write_text(json.dumps(spec))
-                env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"])}
-                run_ranks([__file__, "--worker", str(path)], world, env=env, what="benchmark")
-                results.append(json.loads(Path(spec["out"]).read_text()))
-    by = {(r["ranks"], r["precision"]): r for r in results}
+        shares = (False, True) if args.shared_prefix else (True,)
+        for world, precision, share in ((w, p, s) for w in args.ranks for p in args.precisions for s in shares):
+            name = f"{world}-{precision}-{'shared' if share else 'whole'}"
+            spec = {"model": model, "seq_len": args.seq_len, "batch": args.batch,
+                    "micro_batch": args.micro_batch, "precision": precision, "device": args.device,
+                    "threads": max(1, threads // world), "steps": args.steps, "warmup": args.warmup,
+                    "activation_checkpointing": args.activation_checkpointing,
+                    "logprob_chunk": args.logprob_chunk, "share_prefix": share,
+                    "shared_prefix": args.shared_prefix, "trained": args.trained,
+                    "out": str(Path(tmp) / f"r{name}.json")}
+            path = Path(tmp) / f"spec-{name}.json"
+            path.write_text(json.dumps(spec))
+            env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"])}
+            run_ranks([__file__, "--worker", str(path)], world, env=env, what="benchmark")
+            results.append(json.loads(Path(spec["out"]).read_text()))
+    by = {(r["ranks"], r["precision"]): r for r in results if r["share_prefix"]}
     ratios = {}
+    for whole in (r for r in results if not r["share_prefix"]):   # the same samples, each run whole
+        shared = by[(whole["ranks"], whole["precision"])]
+        ratios[f"shared_prefix_speedup_{whole['ranks']}_ranks_{whole['precision']}"] = round(
+            whole["step_s"] / shared["step_s"], 2)
     for world in args.ranks:
         if (world, "fp32") in by and (world, "bf16") in by:
             ratios[f"bf16_over_fp32_tokens_per_s_{world}_ranks"] = round(
@@ -151,6 +165,7 @@ def main() -> None:
                 by[(hi, precision)]["tokens_per_s"] / by[(lo, precision)]["tokens_per_s"], 2)
     print(json.dumps({"benchmark": "train", "model": args.model or "SmolLM2-135M shapes, random weights",
                       "seq_len": args.seq_len, "batch": args.batch, "micro_batch": args.micro_batch,
+                      "shared_prefix": args.shared_prefix, "trained": args.trained,
                       "total_threads": threads, "results": results, "ratios": ratios}))
 
 

@@ -195,16 +195,107 @@ class PolicyHead(nn.Module):
         self.chunk = chunk
 
     def forward(self, ids_BT: torch.Tensor, attn_BT: torch.Tensor, temperature: float = 1.0,
-                want_entropy: bool = False):
-        base = self.lm.get_decoder() if hasattr(self.lm, "get_decoder") else self.lm.model
-        hidden_BTH = base(input_ids=ids_BT, attention_mask=attn_BT, use_cache=False).last_hidden_state
+                want_entropy: bool = False, prefix: SharedPrefix | None = None):
+        """Logprobs of `ids_BT`; with `prefix`, of sequences that continue it (ids_BT holds only what
+        follows the prefix, and position 0 of each continuation gets 0, as a sequence's first token)."""
+        base = decoder_of(self.lm)
+        if prefix is None:
+            hidden_BTH = base(input_ids=ids_BT, attention_mask=attn_BT, use_cache=False).last_hidden_state
+        else:
+            B = ids_BT.shape[0]
+            attn_BT = torch.cat([attn_BT.new_ones(B, prefix.length), attn_BT], dim=1)
+            hidden_BTH = base(input_ids=ids_BT, attention_mask=attn_BT, use_cache=True,
+                              **{_cache_keyword(base): prefix.cache(B)}).last_hidden_state
         return chunked_token_logprobs(hidden_BTH, self.lm.get_output_embeddings(), ids_BT, temperature,
                                       want_entropy, self.chunk)
 
+    def encode_prefix(self, ids_1P: torch.Tensor) -> SharedPrefix:
+        """The key/value cache of one prefix, in this forward's autograd graph (unless under no_grad).
+
+        Not for a sharded head: FSDP unshards a layer for its backward when the gradient reaches
+        the layer's output, and a prefix's gradient reaches its layers through their keys and
+        values instead (the trainer shares prefixes on one rank only).
+        """
+        from transformers import DynamicCache
+
+        base = decoder_of(self.lm)
+        cache = DynamicCache(config=self.lm.config)
+        base(input_ids=ids_1P, attention_mask=torch.ones_like(ids_1P), use_cache=True,
+             **{_cache_keyword(base): cache})
+        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        return SharedPrefix(ids_1P.shape[1], kv, self.lm.config)
+
+
+def _cache_keyword(decoder: nn.Module) -> str:
+    """transformers 5.20 renamed `past_key_values` to `cache` (the vLLM environment pins an earlier one)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+
+
+class SharedPrefix:
+    """The tokens every sequence of a trainer step begins with, run forward once for all of them.
+
+    A step's RL samples share their first ~1,200 tokens (the harness's system
+    prompt, and a group's task): running them once instead of once per sample
+    is most of a step's compute on this recipe. The continuations attend to
+    detached copies of the prefix's keys and values (`leaves`), whose
+    gradients collect over every micro-batch's backward; `backward()` then
+    sends them through the prefix's forward once. The result is the gradient
+    of running every sample whole, up to rounding (tests/rl/test_trainer.py).
+    """
+
+    def __init__(self, length: int, kv: list[tuple[torch.Tensor, torch.Tensor]], config: Any) -> None:
+        self.length, self.kv, self.config = length, kv, config
+        self.leaves = [tuple(t.detach().requires_grad_(t.requires_grad) for t in pair) for pair in kv]
+
+    def cache(self, batch: int):
+        """A fresh cache over the leaves for `batch` continuations (each forward appends to its own)."""
+        from transformers import DynamicCache
+
+        return DynamicCache(ddp_cache_data=[tuple(t.expand(batch, -1, -1, -1) for t in pair) for pair in self.leaves],
+                            config=self.config)
+
+    def backward(self) -> None:
+        outputs, grads = [], []
+        for pair, leaves in zip(self.kv, self.leaves):
+            for out, leaf in zip(pair, leaves):
+                if leaf.grad is not None:
+                    outputs.append(out)
+                    grads.append(leaf.grad)
+        if outputs:
+            torch.autograd.backward(outputs, grads)
+
+
+def shared_prefix_length(token_ids: list[list[int]], loss_masks: list[list[int]], minimum: int = 64) -> int:
+    """How many leading tokens a step's sequences can share: common to all and trained in none.
+
+    The prefix stops one token before the first trained token of any
+    sequence, because that token's logprob is read from the position before
+    it, which a continuation must compute itself. 0 (run every sequence
+    whole) for fewer than two sequences or a prefix shorter than `minimum`.
+    """
+    if len(token_ids) < 2:
+        return 0
+    length = min(len(ids) for ids in token_ids) - 1
+    first, rest = token_ids[0], token_ids[1:]
+    for i in range(length):
+        if any(ids[i] != first[i] for ids in rest):
+            length = i
+            break
+    for mask in loss_masks:
+        trained = next((i for i, m in enumerate(mask) if m), len(mask))
+        length = min(length, trained - 1)
+    return length if length >= minimum else 0
+
+
+def decoder_of(lm: nn.Module) -> nn.Module:
+    """The causal LM's body (embeddings, layers, final norm), without its output head."""
+    return lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
+
 
 def decoder_layers(lm: nn.Module) -> list[nn.Module]:
-    base = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
-    layers = getattr(base, "layers", None)
+    layers = getattr(decoder_of(lm), "layers", None)
     if layers is None:
         raise DistributedError(f"cannot find the decoder layers of {type(lm).__name__}",
                                hint="FSDP wraps `model.model.layers` (Llama, Qwen, Mistral and alike)")

@@ -118,3 +118,41 @@ def test_zero_advantage_samples_are_not_run_and_change_nothing(tiny_model_dir):
         torch.testing.assert_close(w_all[k], w_some[k], rtol=0, atol=0)
     trainer = Trainer(tiny_model_dir, TrainerConfig(precision="fp32", norm_tokens=16.0, kl_beta=0.1))
     assert trainer.train_step(samples)["skipped_zero_advantage"] == 0
+
+
+@pytest.mark.parametrize("kl_beta", [0.0, 0.1])
+def test_a_shared_prefix_runs_once_and_takes_the_same_step(tiny_model_dir, kl_beta):
+    """Samples that begin alike (one system prompt, then each its own task and turns) train their
+    common untrained prefix once per step; the step is the one of running every sample whole."""
+    g = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, 256, (70,), generator=g).tolist()
+    samples = []
+    for i, adv in enumerate((1.0, -0.5, 0.5)):
+        own = torch.randint(0, 256, (5 + 3 * i,), generator=g).tolist()      # a task, then sampled tokens
+        sampled = torch.randint(0, 256, (6 + i,), generator=g).tolist()
+        n = len(prompt) + len(own)
+        samples.append(Sample(prompt + own + sampled, [0] * n + [1] * len(sampled), [0.0] * n + [-3.0] * len(sampled),
+                              [-1] * n + [0] * len(sampled), adv, "g", "t"))
+    out = []
+    for share in (False, True):
+        trainer = Trainer(tiny_model_dir, TrainerConfig(precision="fp32", norm_tokens=16.0, lr=1e-3, micro_batch=2,
+                                                        share_prefix=share, kl_beta=kl_beta))
+        out.append((trainer.train_step(samples), trainer.model.state_dict()))
+    (m0, w0), (m1, w1) = out
+    assert m0["shared_prefix_tokens"] == 0 and m1["shared_prefix_tokens"] == 70
+    assert m1["train_tokens"] == m0["train_tokens"] == 6 + 7 + 8
+    for key in ("loss", "grad_norm", "entropy", "is_weight_mean", "kl_k1"):
+        assert m1[key] == pytest.approx(m0[key], rel=1e-4, abs=1e-6)
+    for k in w0:   # Adam's first step moves a weight by about lr (1e-3) whatever its gradient's size
+        torch.testing.assert_close(w1[k], w0[k], rtol=0, atol=2e-5)
+
+
+def test_shared_prefix_length_stops_before_the_first_trained_token():
+    from atelier.distributed import shared_prefix_length
+
+    a, b = list(range(100)), list(range(90)) + [7] * 10
+    assert shared_prefix_length([a, b], [[0] * 100, [0] * 100]) == 90
+    assert shared_prefix_length([a, b], [[0] * 100, [0] * 80 + [1] * 20]) == 79   # token 80's logprob reads position 79
+    assert shared_prefix_length([a, a], [[0] * 100, [0] * 100]) == 99             # every sequence keeps a token
+    assert shared_prefix_length([a], [[0] * 100]) == 0                            # one sequence: nothing to share
+    assert shared_prefix_length([a, b], [[0] * 100, [0] * 30 + [1] * 70]) == 0    # below the minimum

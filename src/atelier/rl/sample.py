@@ -35,6 +35,12 @@ class Sample:
         if self.routes is not None and len(self.routes) != n:
             raise ValueError("sample routes must have one row per token")
 
+    def suffix(self, start: int) -> Sample:
+        """The sample from token `start` on (what follows a prefix the trainer runs once)."""
+        return Sample(self.token_ids[start:], self.loss_mask[start:], self.logprobs[start:], self.versions[start:],
+                      self.advantage, self.group_id, self.task_id,
+                      None if self.routes is None else self.routes[start:])
+
 
 def samples_from_trajectory(traj: Trajectory, advantage: float, group_id: str) -> list[Sample]:
     """One sample per segment that has at least one sampled token."""

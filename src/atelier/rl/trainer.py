@@ -122,19 +122,31 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         sums: Counter[str] = Counter()
         ratio_max, neg_ratio_min, mismatch_max = 0.0, float("-inf"), 0.0
+        prefix_len = self._shared_prefix_length(samples)
+        if prefix_len:
+            prefix_ids = samples[0].token_ids[:prefix_len]
+            samples = [s.suffix(prefix_len) for s in samples]
         plan = D.step_plan([len(s.token_ids) for s in samples], self.ranks.world, self.ranks.rank,
                            self.cfg.micro_batch)
         with D.named_failure(f"trainer step {self.step + 1}"):
             with D.compute_weights([self.head, self.ref], self.ranks, self.precision):
+                prefix = ref_prefix = None
+                if prefix_len:
+                    ids_1P = torch.tensor([prefix_ids], device=self.ranks.device)
+                    prefix = self.head.encode_prefix(ids_1P)
+                    if self.ref is not None:
+                        with torch.no_grad():
+                            ref_prefix = self.ref.encode_prefix(ids_1P)
                 for indices in plan:
                     batch = self._collate([samples[i] for i in indices])
                     routes = self._routes(samples, indices, batch["ids"].shape[1])
                     with self._replaying(routes):
-                        logp_BT, ent_BT = self.head(batch["ids"], batch["attn"], self.temperature, True)
+                        logp_BT, ent_BT = self.head(batch["ids"], batch["attn"], self.temperature, True, prefix)
                         ref_BT = None
                         if self.ref is not None:
                             with torch.no_grad():
-                                ref_BT, _ = self.ref(batch["ids"], batch["attn"], self.temperature)
+                                ref_BT, _ = self.ref(batch["ids"], batch["attn"], self.temperature,
+                                                     prefix=ref_prefix)
                     loss, m = policy_loss(LossInputs(logp_BT, batch["mu"], batch["adv"], batch["mask"], ref_BT),
                                           is_cap=self.cfg.is_cap, kl_beta=self.cfg.kl_beta,
                                           norm_tokens=self.cfg.norm_tokens)
@@ -155,6 +167,8 @@ class Trainer:
                         mismatch_max = max(mismatch_max, mm["mismatch_abs_max"])
                         ratio_max = max(ratio_max, m["is_ratio_max"])
                         neg_ratio_min = max(neg_ratio_min, -m["is_ratio_min"])
+                if prefix is not None:
+                    prefix.backward()
             crash_point("trainer.after_backward")   # mid-step: gradients reduced, no step taken
             grad_norm = D.clip_grad_norm(self.head.parameters(), self.cfg.max_grad_norm)
             self.optimizer.step()
@@ -175,12 +189,19 @@ class Trainer:
             "sampler_mismatch_max": mismatch_max, "sampler_k1": totals["sampler_k1"] / n,
             "entropy": totals["entropy"] / n, "staleness_hist": {str(k): v for k, v in sorted(staleness.items())},
             "staleness_max": max(staleness) if staleness else 0, "ranks": self.ranks.world,
-            "skipped_zero_advantage": len(all_samples) - len(samples),
+            "skipped_zero_advantage": len(all_samples) - len(samples), "shared_prefix_tokens": prefix_len,
             "peak_memory_gb": round(peak_gb, 3),
             **self.moe_metrics(),
             **({"routes_match_frac": totals["route_matches"] / totals["route_rows"],
                 "routes_recorded": int(totals["route_rows"])} if totals["route_rows"] else {}),
         }
+
+    def _shared_prefix_length(self, samples: list[Sample]) -> int:
+        """Tokens of this step to run once for all samples (`trainer.share_prefix`); 0: none."""
+        if not self.cfg.share_prefix or self.ranks.sharded or self.cfg.activation_checkpointing \
+                or self.routing is not None:
+            return 0
+        return D.shared_prefix_length([s.token_ids for s in samples], [s.loss_mask for s in samples])
 
     def _routes(self, samples: list[Sample], indices, T: int) -> torch.Tensor | None:
         """The sampler's experts for this micro-batch's flattened [B * T, L, k] positions (-1: none);
