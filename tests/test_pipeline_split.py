@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from atelier.pipeline.config import RunConfig
-from atelier.pipeline.stages import _Context, _Ledger, _write_splits, hold_apart, split_by_file, task_files
+from atelier.pipeline.stages import (PipelineError, _Context, _Ledger, _write_splits, choose_held_out, hold_apart,
+                                     split_by_file, task_files)
 from atelier.tasks.schema import PythonEnv, TaskError, TaskLimits, TaskMetadata, TaskSpec
 from atelier.tasks.writer import write_task
 
@@ -63,6 +64,21 @@ def test_hold_apart_by_file_is_disjoint_bounded_and_seeded() -> None:
     chosen = hold_apart(files, 3, 0, "random")
     assert len(chosen) == 3 and chosen == hold_apart(files, 3, 0, "random")
     assert len(hold_apart(files, 99, 0, "random")) == len(files) - 1   # the other side keeps a task
+
+
+def test_a_split_by_file_that_holds_out_too_few_attempts_stops_the_run() -> None:
+    """Files come in pairs of tasks, so asking for 3 held-out tasks gets 2: 8 attempts at 4 passes,
+    below the 12 the recipe's headline needs. The run stops at its tasks stage, saying what to raise."""
+    files = {f"{name}{i}": {f"pkg/{name}.py"} for name in "abc" for i in (1, 2)}
+
+    def config(min_attempts: int) -> RunConfig:
+        return RunConfig.model_validate({"tasks": {"package": "pkg", "path": "repo", "count": 6, "test_count": 3},
+                                         "eval": {"passes": 4}, "headline": {"min_attempts": min_attempts}})
+
+    with pytest.raises(PipelineError, match=r"held out 2 of the 3 tasks.*8 held-out attempts") as info:
+        choose_held_out(files, config(12))
+    assert "tasks.test_count" in info.value.hint
+    assert len(choose_held_out(files, config(8))) == 2
 
 
 def test_sft_and_rl_divide_the_train_split_by_file(tmp_path: Path, suite: Path) -> None:

@@ -311,11 +311,7 @@ class _Context:
                                 f"or see {out / 'build-report.json'} for what was dropped and why")
         from atelier.tasks.loader import load_suite
 
-        test = hold_apart({task.id: task_files(task) for task in load_suite(out)}, t.test_count, t.seed, t.split)
-        if not test or len(test) == len(ids):
-            raise PipelineError(f"the {len(ids)} tasks built from {t.package} cannot be split by file: they "
-                                "all share files", hint="mutate a package with more source files, or set "
-                                'tasks.split = "random"')
+        test = choose_held_out({task.id: task_files(task) for task in load_suite(out)}, self.config)
         _write_splits(out, {i: "test" if i in test else "train" for i in ids})
         return {"dir": str(out), "train": len(ids) - len(test), "test": len(test), "split": t.split}
 
@@ -519,6 +515,30 @@ def task_files(task: Any) -> set[str]:
     from atelier.tasks.swebench import patch_files
 
     return set(patch_files(task.gold_patch))
+
+
+def choose_held_out(files: Mapping[str, set[str]], config: RunConfig) -> set[str]:
+    """The run's held-out task ids (`hold_apart` with the recipe's `tasks` settings), checked.
+
+    A split by file moves a file's tasks together, so it can hold out fewer
+    tasks than `tasks.test_count`; a run whose held-out attempts would fall
+    below `headline.min_attempts` stops here, before any evaluation, rather
+    than report a headline on fewer attempts than its recipe promised.
+    """
+    t = config.tasks
+    test = hold_apart(files, t.test_count, t.seed, t.split)
+    if not test or len(test) == len(files):
+        raise PipelineError(f"the {len(files)} tasks built from {t.package} cannot be split by file: they "
+                            "all share files", hint="mutate a package with more source files, or set "
+                            'tasks.split = "random"')
+    attempts = len(test) * config.eval.passes
+    if attempts < config.headline.min_attempts:
+        raise PipelineError(
+            f"the split by {t.split} held out {len(test)} of the {t.test_count} tasks asked for (a file's tasks "
+            f"stay on one side), so {len(test)} x eval.passes = {attempts} held-out attempts, below "
+            f"headline.min_attempts ({config.headline.min_attempts})",
+            hint=f"raise tasks.test_count (to {t.test_count + 1}, say) or eval.passes, or try another tasks.seed")
+    return test
 
 
 def hold_apart(files: Mapping[str, set[str]], count: int, seed: int, split: str) -> set[str]:
