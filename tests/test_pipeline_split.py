@@ -123,3 +123,21 @@ def test_an_unknown_task_id_is_an_error(suite: Path) -> None:
     with pytest.raises(TaskError, match="t1"):   # held out, so not in the train split
         TaskEnvironment(TasksEnvConfig(suite=str(suite), split="train", tasks=["a1", "t1"]),
                         RolloutConfig(), ShapingConfig())
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_evaluations_open_the_engine_batch_invariant_when_asked(tmp_path: Path, tiny_model_dir,
+                                                               batch_invariant: bool) -> None:
+    config = RunConfig.model_validate({
+        "tasks": {"package": "pkg", "path": "repo", "count": 8, "test_count": 1},
+        "headline": {"min_attempts": 1}, "eval": {"batch_invariant": batch_invariant}})
+    context = _Context(config, tmp_path, tmp_path, print, _Ledger(tmp_path))
+    with context.open_eval_model(str(tiny_model_dir)) as engine:
+        assert engine.batch_invariant is batch_invariant
+
+
+def test_batch_invariant_evaluation_is_a_built_in_engine_switch() -> None:
+    with pytest.raises(ValueError, match="eval.batch_invariant"):
+        RunConfig.model_validate({"tasks": {"package": "pkg", "path": "repo", "count": 8, "test_count": 1},
+                                  "headline": {"min_attempts": 1}, "eval": {"batch_invariant": True},
+                                  "inference": {"engine": "vllm"}})

@@ -61,6 +61,12 @@ class TasksStage(AtelierConfig):
 class EvalStage(AtelierConfig):
     passes: int = Field(2, ge=1)
     concurrency: int = Field(4, ge=1)
+    batch_invariant: bool = False
+    """The built-in engine runs each attempt's forwards alone (a batch of one, no prefix cache),
+    so an attempt's tokens depend only on its task, pass seed and weights. Batched, an attempt's
+    bf16 rounding depends on which others share its batch, which depends on timing: two
+    evaluations of the same weights differed in 8 of 32 attempts (recipes/demo.md), noise that
+    the paired test between evaluations then counts. Costs the throughput of batching."""
     agent: AgentConfig = Field(default_factory=AgentConfig)
     """The agent of evaluation, SFT data and RL alike (RL takes its temperature, turn max_tokens
     and seed from rl.rollout, and needs top_p = 1)."""
@@ -140,4 +146,8 @@ class RunConfig(AtelierConfig):
         if attempts < self.headline.min_attempts:
             raise ValueError(f"tasks.test_count x eval.passes = {attempts} held-out attempts, below "
                              f"headline.min_attempts ({self.headline.min_attempts})")
+        if self.eval.batch_invariant and self.inference.engine == "vllm":
+            raise ValueError("eval.batch_invariant = true is a switch of the built-in engine; vLLM has its "
+                             "own (its batch-invariant kernels, on GPUs): set it to false with "
+                             "inference.engine = 'vllm'")
         return self

@@ -331,16 +331,22 @@ class _Context:
         return [task for task in tasks if (task.id in sft) == (side == "sft")]
 
     # --- evaluation --------------------------------------------------------------
+    def open_eval_model(self, model_path: str):
+        """The engine every evaluation samples from (`eval.batch_invariant` for the built-in one)."""
+        from atelier.inference.models import open_model
+
+        batching = {"batch_invariant": True} if self.config.eval.batch_invariant else {}
+        return open_model(model_path, inference=self.config.inference, **batching)
+
     def _evaluate(self, model_path: str, out: Path) -> dict[str, Any]:
         from atelier.eval.runner import EvalConfig, run_eval
-        from atelier.inference.models import open_model
         from atelier.inference.types import owning
         from atelier.tasks.loader import load_suite
 
         tasks = load_suite(self.output("tasks", "dir"), split="test")
         cfg = EvalConfig(passes=self.config.eval.passes, concurrency=self.config.eval.concurrency,
                          backend=self.config.tasks.backend)
-        with owning(open_model(model_path, inference=self.config.inference)) as engine:
+        with owning(self.open_eval_model(model_path)) as engine:
             summary = run_eval(engine, tasks, out, config=cfg, agent_config=self.agent_config,
                                progress=self._progress(out.name))
         m = summary.metrics
