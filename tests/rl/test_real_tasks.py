@@ -56,7 +56,10 @@ def test_one_step_on_real_tasks_through_harness_sandbox_and_grader(bwrap_ready, 
         f"model={tiny_model_dir}", "env.kind=tasks", f"env.tasks.suite={suite}",
         f"env.tasks.env_cache={tmp_path / 'envs'}", "env.tasks.agent={max_turns = 2, max_context_tokens = 4096}",
         "trainer.steps=1", "rollout.group_size=2", "rollout.groups_per_step=2", "rollout.workers=4",
-        "rollout.max_tokens=24", "rollout.min_valid=1", "trainer.lr=1e-4"])
+        "rollout.max_tokens=24", "rollout.min_valid=1", "trainer.lr=1e-4",
+        # a random model's members tie (zero advantage), and with kl_beta = 0 such samples are not run;
+        # the KL term trains them, so the step always runs real rollouts through the trainer
+        "trainer.kl_beta=0.01"])
     summary = run_training(config, tmp_path / "run")
     assert summary.steps == 1
     ledger = Ledger.load(tmp_path / "run" / "ledger.jsonl")
