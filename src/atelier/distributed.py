@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -228,17 +229,23 @@ class PolicyHead(nn.Module):
 
 def _cache_keyword(decoder: nn.Module) -> str:
     """transformers 5.20 renamed `past_key_values` to `cache` (the vLLM environment pins an earlier one)."""
+    return _cache_keyword_of(type(decoder))
+
+
+@functools.cache
+def _cache_keyword_of(decoder_type: type) -> str:   # read once per class, not at every micro-batch
     import inspect
 
-    return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+    return "cache" if "cache" in inspect.signature(decoder_type.forward).parameters else "past_key_values"
 
 
 class SharedPrefix:
     """The tokens every sequence of a trainer step begins with, run forward once for all of them.
 
     A step's RL samples share their first ~1,200 tokens (the harness's system
-    prompt, and a group's task): running them once instead of once per sample
-    is most of a step's compute on this recipe. The continuations attend to
+    prompt, and the task too when the step holds one group): running them
+    once instead of once per sample is most of a step's compute on this
+    recipe. The continuations attend to
     detached copies of the prefix's keys and values (`leaves`), whose
     gradients collect over every micro-batch's backward; `backward()` then
     sends them through the prefix's forward once. The result is the gradient
