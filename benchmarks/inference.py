@@ -15,7 +15,10 @@ Also measured, on the built-in engine:
   harness's real prompt (every tool's schema, ~1,300 tokens), each turn's
   prompt the last one plus the reply (K greedy tokens) plus a tool output,
   token in, token out; with the prefix cache in each dtype and without it in
-  the default dtype. The replies must be identical with and without.
+  the default dtype, and in the default dtype with the cache but without
+  shared-prompt attention (each agent's decode reading the shared prompt's
+  keys on its own: `shared_attention_speedup`). The replies must be
+  identical with and without the cache.
 - `weight_update`: a full-model `update_weights` from in-process tensors and
   from a safetensors directory, and publish-to-first-new-token: the time from
   calling `update_weights` while 8 requests stream to the first token stamped
@@ -33,6 +36,10 @@ Also measured, on the built-in engine:
   greedy tokens (default 32) at once: decode tokens/s and ms per step,
   counted from the step after the last prompt's prefill (what an agent's
   later turns cost; attention over the cache dominates there, not weights).
+  With `--long-shared N` the prompts begin with the same N tokens (an
+  agent's system prompt) and the section runs twice, with and without
+  attending to the shared prompt once for all requests
+  (`shared_attention_speedup`, in ms per step).
 - `serve_memory`: peak resident memory (VmHWM) of an `atelier serve` process
   while C clients (default 16) each send one chat request with a ~3k-token
   prompt; target <= 2 GB for SmolLM2-135M.
@@ -44,7 +51,7 @@ engine's tokens/s over the better of transformers' two rows at batch 16.
 Usage: python benchmarks/inference.py [--model smollm2-135m|tiny|DIR] [--new-tokens 64]
        [--batches 1,16,64] [--threads 2] [--agents 4] [--turns 3] [--turn-tokens 32]
        [--serve-clients 16] [--serve-prompt-tokens 3000] [--long-batch 16] [--long-context 3000]
-       [--long-tokens 32] [--skip agent,serve,...] [--only SECTIONS] [--vllm-eager]
+       [--long-tokens 32] [--long-shared 0] [--skip agent,serve,...] [--only SECTIONS] [--vllm-eager]
 Sections: throughput (the rows above), agent, long (decode at long context), weights (every
 engine's weight updates; a vLLM row with only this section starts its server, measures updates
 and skips the throughput), serve.
@@ -372,18 +379,22 @@ def _agents_run(engine, prompts: list[list[int]], turns: int, turn_tokens: int) 
     return replies
 
 
-def agent_workload(ctx: Context, dtype: str, cache: bool) -> tuple[dict, list]:
+def agent_workload(ctx: Context, dtype: str, cache: bool, shared_attention: bool = True) -> tuple[dict, list]:
+    """The agents' turns on the built-in engine; `shared_attention=False` attends over a prompt the
+    agents share once per agent, as before forward.py's `shared_prefixes`."""
     from atelier.inference.engine import LocalEngine
 
     a = ctx.args
     kwargs = {} if cache else {"prefix_cache_tokens": 0}
     with LocalEngine(ctx.path, device=a.device, dtype=dtype, max_batch=max(a.agents, 1), **kwargs) as engine:
+        engine._forward.cascade = shared_attention
         prompts = _agent_prompts(engine.tokenizer, a.agents)
         _agents_run(engine, [prompts[0][:8]], 1, 2)  # warm-up on a prompt no agent shares a block with
         engine.clear_prefix_cache()
         start = dict(engine.stats)
         secs, replies = _timed(lambda: _agents_run(engine, prompts, a.turns, a.turn_tokens))
-        return {"dtype": dtype, "prefix_cache": cache, "seconds": round(secs, 2),
+        return {"dtype": dtype, "prefix_cache": cache, "shared_attention": shared_attention and cache,
+                "seconds": round(secs, 2),
                 "prompt_tokens": [len(p) for p in prompts],
                 "prefill_tokens": engine.stats["prefill_tokens"] - start["prefill_tokens"],
                 "prefix_hit_tokens": engine.stats["prefix_hit_tokens"] - start["prefix_hit_tokens"]}, replies
@@ -428,15 +439,16 @@ def weight_update(ctx: Context, dtype: str) -> dict:
 
 
 # -- decode at long context ---------------------------------------------------------------
-def _long_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
-    """n distinct prompts of `length` tokens (this file's text from n offsets): no shared block."""
+def _long_prompts(tokenizer, n: int, length: int, shared: int = 0) -> list[list[int]]:
+    """n prompts of `length` tokens (this file's text from n offsets): the first `shared` tokens
+    the same in all, no block shared after them."""
     ids = tokenizer.encode(Path(__file__).read_text())
     while len(ids) < length + 7 * n:
         ids = ids + ids
-    return [ids[i * 7: i * 7 + length] for i in range(n)]
+    return [ids[:shared] + ids[shared + i * 7: i * 7 + length] for i in range(n)]
 
 
-def long_decode(ctx: Context, dtype: str) -> dict:
+def long_decode(ctx: Context, dtype: str, shared_attention: bool = True) -> dict:
     from atelier.inference.engine import LocalEngine
     from atelier.inference.types import SamplingParams
 
@@ -445,10 +457,11 @@ def long_decode(ctx: Context, dtype: str) -> dict:
     params = SamplingParams(max_tokens=K, temperature=0.0, stop_token_ids=(-1,))
     with LocalEngine(ctx.path, device=a.device, dtype=dtype, max_batch=B,
                      kv_cache_tokens=max(32768, B * (C + K + 64))) as engine:
+        engine._forward.cascade = shared_attention
         engine.generate(ctx.prompts[0], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
         times: list[list[float]] = [[] for _ in range(B)]
         handles = [engine.submit(p, params, on_token=lambda *_, i=i: times[i].append(time.perf_counter()))
-                   for i, p in enumerate(_long_prompts(ctx.tokenizer, B, C))]
+                   for i, p in enumerate(_long_prompts(ctx.tokenizer, B, C, a.long_shared))]
         for h in handles:
             h.result()
         start = max(t[0] for t in times)          # every prompt is in: decode steps only from here
@@ -456,6 +469,8 @@ def long_decode(ctx: Context, dtype: str) -> dict:
         tokens = sum(1 for t in times for x in t if x > start)
         steps = max(sum(1 for x in t if x > start) for t in times)
         return {"dtype": str(engine.dtype).removeprefix("torch."), "batch": B, "context_tokens": C,
+                "shared_tokens": a.long_shared, "shared_attention": shared_attention,
+                "shared_rows": engine._forward.stats["shared_rows"],
                 "new_tokens": K, "decode_tokens": tokens, "decode_seconds": round(end - start, 2),
                 "decode_tokens_per_s": round(tokens / (end - start), 1) if end > start else None,
                 "ms_per_step": round(1000 * (end - start) / steps, 1) if steps else None,
@@ -559,6 +574,9 @@ def main() -> None:
     parser.add_argument("--long-batch", type=int, default=16)
     parser.add_argument("--long-context", type=int, default=3000)
     parser.add_argument("--long-tokens", type=int, default=32)
+    parser.add_argument("--long-shared", type=int, default=0,
+                        help="tokens the long prompts begin with in common (then measured with and without "
+                             "shared-prompt attention)")
     parser.add_argument("--skip", default="", help=f"comma list of: {', '.join(SECTIONS)}")
     parser.add_argument("--only", default="", help=f"comma list of: {', '.join(SECTIONS)}; skip the others")
     args = parser.parse_args()
@@ -599,16 +617,22 @@ def main() -> None:
             report["target"] = "the recipes' default engine >= 1.8x transformers' padded batch at 16"
         if "agent" not in skip and args.agents > 0:
             runs, replies = [], {}
-            for dtype, cache in ((default, False), (default, True),
-                                 ("float32" if default == "bfloat16" else "bfloat16", True)):
-                result, replies[(dtype, cache)] = agent_workload(ctx, dtype, cache)
+            other = "float32" if default == "bfloat16" else "bfloat16"
+            for dtype, cache, shared in ((default, False, True), (default, True, True), (default, True, False),
+                                         (other, True, True)):
+                result, replies[(dtype, cache, shared)] = agent_workload(ctx, dtype, cache, shared)
                 runs.append(_progress("agent", result))
             report["agent"] = {"agents": args.agents, "turns": args.turns, "turn_tokens": args.turn_tokens,
                                "runs": runs,
-                               "identical_with_and_without_cache": replies[(default, True)] == replies[(default, False)],
-                               "cache_speedup": round(runs[0]["seconds"] / runs[1]["seconds"], 2)}
+                               "identical_with_and_without_cache":
+                                   replies[(default, True, True)] == replies[(default, False, True)],
+                               "cache_speedup": round(runs[0]["seconds"] / runs[1]["seconds"], 2),
+                               "shared_attention_speedup": round(runs[2]["seconds"] / runs[1]["seconds"], 2)}
         if "long" not in skip:
             report["long_decode"] = _progress("long_decode", long_decode(ctx, default))
+            if args.long_shared:
+                alone = report["long_decode_unshared"] = _progress("long_decode", long_decode(ctx, default, False))
+                report["shared_attention_speedup"] = round(alone["ms_per_step"] / report["long_decode"]["ms_per_step"], 2)
         if "weights" not in skip:
             report["weight_update"] = [_progress("weight_update", weight_update(ctx, d))
                                        for d in ("float32", "bfloat16")]

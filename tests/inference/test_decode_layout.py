@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from atelier.inference.engine import LocalEngine
-from atelier.inference.forward import MAX_RUNS, BatchedForward, runs
+from atelier.inference.forward import MAX_RUNS, MIN_SHARED_BLOCKS, BatchedForward, runs, shared_prefixes
 from atelier.inference.prefix_cache import BlockPool
 from atelier.inference.types import SamplingParams
 from tests.inference.conftest import generate_concurrently
@@ -21,6 +21,54 @@ def test_runs_merge_consecutive_blocks_and_cut_at_jumps():
     assert runs([4, 5, 6, 9, 10], 150, 32) == [(128, 96), (288, 54)]
     assert runs([7], 1, 32) == [(224, 1)]
     assert runs([3, 2], 64, 32) == [(96, 32), (64, 32)]     # descending ids are a jump too
+
+
+def test_shared_prefixes_group_tables_by_their_common_leading_blocks():
+    """Groups are sequences whose tables begin with the same blocks: at least two members, at
+    least MIN_SHARED_BLOCKS shared, and never a member's current block (its new key goes there)."""
+    n = MIN_SHARED_BLOCKS
+    common = list(range(n + 2))
+    tables = [common + [20], common + [30], common[:n] + [40, 41, 42], [50] + common[1:], common + [60]]
+    positions = [4 * (n + 2), 4 * (n + 2) + 1, 4 * (n + 3), 4 * (n + 2), 4 * (n + 1) + 3]
+    # sequence 4 is still writing its block n + 1: the group shares only the n blocks below it
+    assert shared_prefixes(tables, positions, 4) == [([0, 1, 2, 4], n)]
+    assert shared_prefixes(tables[:2], positions[:2], 4) == [([0, 1], n + 2)]
+    assert shared_prefixes([common, common[:n - 1] + [70]], [4 * (n + 2) - 1, 4 * n], 4) == []  # too short
+    assert shared_prefixes([common], [4 * n + 9], 4) == []                                        # alone
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_over_a_shared_prefix_matches_attending_it_per_sequence(spiky_model_dir, dtype):
+    """Sequences whose tables share a prompt's blocks, decoded with that prompt attended once for
+    all of them and attended per sequence: the same logits up to rounding (fp32) and the same
+    greedy tokens, and only the first reads the shared rows once."""
+    fw = _tiny_forward(spiky_model_dir, dtype)
+    prompt = [(7 * i + 3) % 200 + 5 for i in range(4 * MIN_SHARED_BLOCKS + 6)]
+    shared = len(prompt) // 4                      # full blocks of the prompt: what a prefix cache shares
+    fw.prefill([(prompt, 0, list(range(shared + 1)))])
+    tails = [[(11 * i + 5 * j) % 200 + 5 for i in range(3 + 5 * j)] for j in range(3)]
+    tables, contexts = [], []
+    for j, tail in enumerate(tails):
+        context = prompt + tail
+        table = list(range(shared)) + list(range(20 + 10 * j, 30 + 10 * j))
+        fw.prefill([(context, 4 * shared, table)])
+        tables.append(table)
+        contexts.append(context)
+    seen = {}
+    for cascade in (True, False):
+        fw.cascade = cascade
+        before = fw.stats["shared_rows"]
+        steps, tokens = [], [list(c) for c in contexts]
+        for _ in range(6):
+            logits = fw.decode([t[-1] for t in tokens], [len(t) - 1 for t in tokens], tables)
+            steps.append(logits)
+            for t, row in zip(tokens, logits):
+                t.append(int(row.argmax()))
+        seen[cascade] = (torch.stack(steps), tokens, fw.stats["shared_rows"] - before)
+    assert seen[True][2] == 6 * 4 * shared and seen[False][2] == 0
+    assert seen[True][1] == seen[False][1]
+    if dtype == torch.float32:
+        torch.testing.assert_close(seen[True][0], seen[False][0], atol=1e-4, rtol=1e-4)
 
 
 def test_interleaved_growth_keeps_every_sequence_consecutive():
@@ -127,3 +175,19 @@ def test_decode_steps_run_on_one_thread_and_leave_the_callers_alone(spiky_model_
             assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_concurrent_agents_attend_their_shared_prompt_once(spiky_model_dir):
+    """Requests that begin with one long prompt (the prefix cache gives them its blocks) decode
+    with that prompt attended once per step for all of them, and each gets its solo tokens."""
+    text = "def parse(line):\n    return [int(x) for x in line.split(',')]\n" * 12
+    with LocalEngine(spiky_model_dir, dtype="float32", max_batch=8) as engine:
+        ids = engine.tokenizer.encode(text)
+        system = ids[: 32 * MIN_SHARED_BLOCKS + 20]
+        prompts = [system + ids[7 * i: 7 * i + 5 + 3 * i] for i in range(6)]
+        params = SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=NO_STOP)
+        solo = [engine.generate(p, params).token_ids for p in prompts]
+        engine._forward.stats["shared_rows"] = 0
+        results = generate_concurrently(engine, prompts, [params] * len(prompts), timeout=300)
+        assert results == solo
+        assert engine._forward.stats["shared_rows"] >= 32 * MIN_SHARED_BLOCKS * 30

@@ -29,6 +29,16 @@ blocks happen to be. Scores and values are fp32: bf16 keys are widened as
 they are read, which was faster here than bf16 products for 3 query rows per
 head, and more exact. Each row's attention depends on its own sequence only.
 
+Shared prompts (cascade attention): an agent's sequences begin with the same
+system prompt, and the prefix cache gives them the same blocks for it. Decode
+finds the sequences whose tables begin with the same blocks
+(`shared_prefixes`) and attends all their queries to those keys in one
+product, so the shared keys are read once a step instead of once per
+sequence; each sequence attends to its own positions on its own, and the two
+parts are joined through their softmax maxima and sums (exact up to
+rounding: the logits move as much as batching moves them). On the demo's
+rollouts 1,216 of ~1,950 positions are shared.
+
 Measured on SmolLM2-135M in bf16, batch 16 at ~3k positions, CPU time per
 layer on this 2-core machine: the earlier design (gather every block table
 into a padded `[B, Hkv, T, D]` copy, then one masked
@@ -75,6 +85,9 @@ from atelier.errors import AtelierError
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "mixtral")
 MAX_RUNS = 4
 """Attention over a block table of more runs than this gathers its rows in one op instead."""
+MIN_SHARED_BLOCKS = 4
+"""Decode attends over a prefix that several sequences share once for all of them when it is at
+least this many blocks long (see `shared_prefixes`)."""
 
 
 @contextlib.contextmanager
@@ -137,6 +150,29 @@ def _fuse(module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | 
     return fused[0], fused[1]
 
 
+def shared_prefixes(tables: list[list[int]], positions: list[int], block: int) -> list[tuple[list[int], int]]:
+    """Sequences of a decode batch whose block tables begin with the same blocks (prefix-cache
+    hits on one prompt, such as an agent's system prompt), as `(members, blocks shared)`: groups
+    of at least two sharing at least `MIN_SHARED_BLOCKS` blocks, each below every member's current
+    block (the one its new key goes into)."""
+    by_first: dict[int, list[int]] = {}
+    for b, (table, position) in enumerate(zip(tables, positions)):
+        if position // block >= MIN_SHARED_BLOCKS:
+            by_first.setdefault(table[0], []).append(b)
+    groups = []
+    for members in by_first.values():
+        if len(members) < 2:
+            continue
+        first = tables[members[0]]
+        limit = min(positions[b] // block for b in members)
+        shared = 0
+        while shared < limit and all(tables[b][shared] == first[shared] for b in members):
+            shared += 1
+        if shared >= MIN_SHARED_BLOCKS:
+            groups.append((members, shared))
+    return groups
+
+
 def runs(table: list[int], n: int, block: int) -> list[tuple[int, int]]:
     """Positions `0:n` of a sequence with block table `table` as `(first row, length)` runs of
     consecutive pool rows: one run when its blocks are consecutive, one per jump otherwise."""
@@ -185,7 +221,7 @@ class PagedKV:
 class BatchedForward:
     """Prefill and decode over a Hugging Face Llama-family causal LM, keys and values in a `PagedKV`."""
 
-    def __init__(self, hf_model, kv_blocks: int, block: int) -> None:
+    def __init__(self, hf_model, kv_blocks: int, block: int, cascade: bool = True) -> None:
         config = hf_model.config
         if config.model_type not in SUPPORTED_TYPES or getattr(config, "sliding_window", None) and \
                 config.model_type in ("mistral", "mixtral"):
@@ -195,6 +231,7 @@ class BatchedForward:
                      "another OpenAI-compatible server and pass its URL",
             )
         self.model = hf_model
+        self.cascade = cascade   # shared prefixes attended once per decode step (`shared_prefixes`)
         self.core = hf_model.model
         self.layers = list(self.core.layers)
         attn = self.layers[0].self_attn
@@ -211,7 +248,8 @@ class BatchedForward:
                             for layer in self.layers]
         param = next(hf_model.parameters())
         self.router = None
-        self.stats = {"copied_rows": 0}   # see _keys
+        self.stats = {"copied_rows": 0,    # see _keys
+                      "shared_rows": 0}    # key positions decode attended once for a group (shared_prefixes)
         if not all(g is not None for g in self.gate_up):
             from atelier.moe.replay import RouterReplay
 
@@ -310,6 +348,31 @@ class BatchedForward:
         """One sequence's attention for its G query heads per key/value head, all fp32 (q scaled)."""
         return torch.matmul(torch.softmax(torch.matmul(q_HGD, k_HTD.transpose(1, 2)), dim=-1), v_HTD)
 
+    @staticmethod
+    def _attend_part(q_HMD: torch.Tensor, k_HTD: torch.Tensor, v_HTD: torch.Tensor):
+        """Attention of queries over some of their keys, unnormalised (fp32): the scores' max
+        `[H, M, 1]`, the sum of exp(score - max) `[H, M, 1]` and the exp-weighted values `[H, M, D]`,
+        so parts over disjoint keys join exactly (`_attend_cascade`)."""
+        scores_HMT = torch.matmul(q_HMD, k_HTD.transpose(1, 2))
+        top_HM1 = scores_HMT.amax(dim=-1, keepdim=True)
+        weights_HMT = scores_HMT.sub_(top_HM1).exp_()
+        return top_HM1, weights_HMT.sum(dim=-1, keepdim=True), torch.matmul(weights_HMT, v_HTD)
+
+    def _attend_cascade(self, i: int, q_mHGD: torch.Tensor, shared, own: list) -> torch.Tensor:
+        """Attention of m sequences whose first positions are the same blocks (`shared`, planned):
+        every query against the shared keys in one product (the keys read once, not m times), each
+        sequence's queries against its own positions (`own[j]`), the parts joined by their maxima
+        and sums. Returns [m, Hkv, G, D], fp32."""
+        m, Hkv, G, D = q_mHGD.shape
+        top, total, out = self._attend_part(q_mHGD.transpose(0, 1).reshape(Hkv, m * G, D),
+                                            *self._keys(i, shared, torch.float32))
+        top, total, out = (t.view(Hkv, m, G, -1).transpose(0, 1) for t in (top, total, out))
+        parts = [self._attend_part(q_mHGD[j], *self._keys(i, plan, torch.float32)) for j, plan in enumerate(own)]
+        own_top, own_total, own_out = (torch.stack(t) for t in zip(*parts))
+        peak = torch.maximum(top, own_top)
+        scale, own_scale = torch.exp(top - peak), torch.exp(own_top - peak)
+        return (out * scale + own_out * own_scale) / (total * scale + own_total * own_scale)
+
     @torch.inference_mode()
     def prefill(self, seqs: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
         """Compute `tokens[start:]` of each `(tokens, start, table)` and store their keys and values
@@ -367,7 +430,8 @@ class BatchedForward:
         (fp32).
 
         Attention runs per sequence over its own positions, read from the pool in place (runs of
-        consecutive blocks; see the module docstring): nothing is padded or copied. It runs on one
+        consecutive blocks; see the module docstring): nothing is padded or copied, and a prefix
+        that several sequences share is attended once for all of them (`_attend_cascade`). It runs on one
         thread: it is many small products, one sequence at a time, and split over threads each
         pays a synchronisation that costs more than the work, far more when another process holds
         a core (measured here at batch 16, ~3k positions, load ~13: 23 ms of CPU per layer on
@@ -381,14 +445,25 @@ class BatchedForward:
         pos_B1 = torch.tensor(positions, dtype=torch.long, device=dev)[:, None]
         rows_B = torch.tensor([t[p // S] * S + p % S for t, p in zip(tables, positions)], dtype=torch.long,
                               device=dev)
-        plans = [self._plan(t, p + 1) for t, p in zip(tables, positions)]
+        groups = shared_prefixes(tables, positions, S) if self.cascade else []
+        in_group = {b for members, _ in groups for b in members}
+        plans = [None if b in in_group else self._plan(t, p + 1) for b, (t, p) in enumerate(zip(tables, positions))]
+        group_plans = [(members, self._plan(tables[members[0]], blocks * S),
+                        [self._plan(tables[b][blocks:], positions[b] + 1 - blocks * S) for b in members])
+                       for members, blocks in groups]
+        self.stats["shared_rows"] += sum(blocks * S for _, blocks in groups)
 
         def attend(i, q, k, v):
             self._store(i, rows_B, k[:, :, 0].transpose(0, 1), v[:, :, 0].transpose(0, 1))
             q_BHGD = (q[:, :, 0].float() * self.scaling).view(B, Hkv, H // Hkv, D)
+            outs: list[torch.Tensor | None] = [None] * B
             with threads(1):   # many small products: see `decode`
-                outs = [self._attend_one(q_BHGD[b], *self._keys(i, plan, torch.float32))
-                        for b, plan in enumerate(plans)]
+                for b, plan in enumerate(plans):
+                    if plan is not None:
+                        outs[b] = self._attend_one(q_BHGD[b], *self._keys(i, plan, torch.float32))
+                for members, shared, own in group_plans:
+                    for b, out in zip(members, self._attend_cascade(i, q_BHGD[members], shared, own)):
+                        outs[b] = out
             return torch.stack(outs).view(B, H, 1, D).to(q.dtype)
 
         x_B1M = self._layers(self.core.embed_tokens(ids_B1), pos_B1, attend)
