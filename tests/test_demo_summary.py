@@ -108,6 +108,7 @@ def test_same_memory_tells_a_shared_address_space_from_a_child_process() -> None
 def test_zero_variance_fraction() -> None:
     assert zero_variance_fraction([[0, 0, 0], [1, 0, 1], [0.5, 0.5]]) == 2 / 3
     assert zero_variance_fraction([]) is None
+    assert zero_variance_fraction([[1, 0]], skipped=3) == 3 / 4   # tied groups skipped, never trained
 
 
 def _write_eval(run_dir: Path, outcomes: dict[tuple[str, int], tuple[bool, int]]) -> None:
@@ -132,6 +133,10 @@ def test_summary_is_recomputed_from_the_records(tmp_path: Path) -> None:
         ledger.add_group(f"g{g}", "t0", len(rewards), 0)
         for m, r in enumerate(rewards):
             ledger.set(f"g{g}/{m}", "trained", reward=r, step=1 if g < 2 else 2)
+    ledger.add_group("g3", "t1", 2, 0)               # tied, dropped by rollout.skip_tied_groups
+    for m in range(2):
+        ledger.set(f"g3/{m}", "graded", reward=0.5)
+    ledger.drop_group("g3", "tied: every member scored 0.5")
     ledger.close()
     (tmp_path / "rl" / "metrics.jsonl").write_text(
         json.dumps({"step": 1, "reward_mean": 0.25, "pass_rate": 0.25}) + "\n"
@@ -155,7 +160,8 @@ def test_summary_is_recomputed_from_the_records(tmp_path: Path) -> None:
     assert not other["pre_registered"] and (other["improved"], other["worsened"]) == (4, 0)
     assert summary["rl"]["reward_mean"] == [0.25, 0.2]
     assert summary["rl"]["zero_variance_fraction"] == [0.5, 1.0]
-    assert summary["rl"]["zero_variance_groups"] == 2 and summary["rl"]["groups"] == 3
+    assert summary["rl"]["zero_variance_groups"] == 3 and summary["rl"]["groups"] == 3
+    assert summary["rl"]["tied_groups_skipped"] == 1 and summary["rl"]["zero_variance_fraction_all"] == 3 / 4
     assert summary["wall_s"] == {"eval-before": 10.0, "rl": 5.5} and summary["peak_rss_mb_run"] == 2500
     assert summary["peak_pss_mb"] == {"eval-before": 700, "rl": 2100} and summary["peak_pss_mb_run"] == 2100
 
@@ -169,7 +175,7 @@ def test_summary_is_recomputed_from_the_records(tmp_path: Path) -> None:
     assert "100.0% [89-100%]" in text                           # after RL's edit rate
     p_value = f"p = {head['p_value']:.2g} (significant)"
     assert "16 improved / 0 worsened of 32 pairs" in caption and p_value in caption
-    assert "zero reward variance: 67%" in caption and "2.20 GB" in caption  # 2100 MiB of PSS
+    assert "zero reward variance: 75%" in caption and "2.20 GB" in caption  # 2100 MiB of PSS
 
 
 def test_too_few_held_out_attempts_is_refused(tmp_path: Path) -> None:

@@ -196,3 +196,37 @@ def test_deferred_sync_still_hands_each_event_to_the_os_at_once(tmp_path):
         assert seen.slots["g0/0"].state == "running"
     ledger.close()
 
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_tied_groups_are_trained_or_replaced_by_another_task(tmp_path, skip):
+    """A group whose members all scored the same has no advantage. By default it is trained
+    anyway; with skip_tied_groups it is dropped with its reason, another task is admitted in its
+    place, the next batch is a group with signal, and the counters say how many were skipped."""
+    rc, backend = _reconciler(tmp_path, max_staleness=0, skip_tied_groups=skip)
+    backend.finish("g00000-t0/0", 0.5)
+    backend.finish("g00000-t0/1", 0.5)
+    if not skip:
+        assert [g.group_id for g in rc.next_batch(timeout=1).groups] == ["g00000-t0"]
+        assert rc.take_counters().tied_groups == 0
+        return
+    assert rc.ledger.groups["g00000-t0"].dropped.startswith("tied: every member scored 0.5")
+    assert {s.split("/")[0] for s in backend.pending} == {"g00001-t1"}
+    with pytest.raises(TimeoutError):
+        rc.next_batch(timeout=0.2)
+    backend.finish("g00001-t1/0", 0.0)
+    backend.finish("g00001-t1/1", 1.0)
+    batch = rc.next_batch(timeout=1)
+    assert [g.group_id for g in batch.groups] == ["g00001-t1"]
+    assert rc.take_counters().tied_groups == 1
+    # a resumed run sees the same: the tied group stays dropped, nothing is admitted twice
+    rc.close()
+    rc.ledger.close()
+    rc2 = Reconciler(ledger=Ledger.load(tmp_path / "l.jsonl"), tasks=[T(f"t{i}") for i in range(8)],
+                     category=lambda t: "all", backend=ScriptedBackend(),
+                     cfg=RolloutConfig(group_size=2, groups_per_step=1, workers=16, skip_tied_groups=True),
+                     curriculum=Curriculum(CurriculumConfig(enabled=False)), rollouts_dir=tmp_path / "r",
+                     seed=0, version=0)
+    rc2.start()
+    assert rc2.ledger.groups["g00000-t0"].dropped.startswith("tied")
+    assert [g.group_id for g in rc2.next_batch(timeout=1).groups] == ["g00001-t1"]

@@ -197,7 +197,9 @@ def headline_section(summary: dict[str, Any]) -> str:
         test = '<p class="muted">No headline test: an evaluation after SFT or after RL is missing.</p>'
     rl = summary.get("rl") or {}
     zero = rl.get("zero_variance_fraction_all")
-    rl_line = (f'<p class="muted">RL: {len(rl.get("steps", []))} steps, {rl.get("groups", 0)} groups trained, '
+    skipped = rl.get("tied_groups_skipped", 0)
+    rl_line = (f'<p class="muted">RL: {len(rl.get("steps", []))} steps, {rl.get("groups", 0)} groups trained'
+               + (f", {skipped} more skipped as tied" if skipped else "") + ", "
                f'{rl.get("zero_variance_groups", 0)} with zero reward variance'
                + (f" ({zero:.0%})" if zero is not None else "") + "; rewards per step: "
                + escape(", ".join(_fmt(v) for v in rl.get("reward_mean", []))) + "</p>")

@@ -429,7 +429,9 @@ class _Context:
         def on_step(record: dict[str, Any]) -> None:
             self.say(f"  rl step {record['step']}: reward {record['reward_mean']:.3f}, "
                      f"pass rate {record['pass_rate']:.2f}, zero-variance groups "
-                     f"{record.get('zero_variance_groups', 0)}/{record['groups']}, "
+                     f"{record.get('zero_variance_groups', 0)}/{record['groups']}"
+                     + (f" (+{record['tied_groups_skipped']} tied, skipped)" if record.get("tied_groups_skipped") else "")
+                     + ", "
                      f"{record['gen_tokens_per_s']:.0f} tokens/s")
             self._tick("rl", record["step"], self.config.rl.trainer.steps)
 

@@ -11,7 +11,8 @@ from what the stages left on disk (never copied from a log line).
   not pre-registered;
 - `rl`: the reward, pass-rate and zero-variance curves per optimizer step
   (from `rl/metrics.jsonl` and `rl/ledger.jsonl`); a group whose members all
-  got the same reward has zero advantage and teaches nothing;
+  got the same reward has zero advantage and teaches nothing (the whole-run
+  fraction also counts the tied groups `rollout.skip_tied_groups` dropped);
 - `wall_s` and peak memory per stage (from `stages.json`), over every
   start of a resumed stage (`stage_starts`), and the run's peak (the largest
   stage peak: stages run one after another): `peak_pss_mb` (shared pages
@@ -29,21 +30,25 @@ from typing import Any, Sequence
 from atelier.eval.compare import MEASURES, evaluation_figures, mcnemar_one_sided, pair_attempts
 from atelier.eval.records import read_records
 from atelier.pipeline.memory import PEAK_KEYS
+from atelier.rl.advantages import tied
 
 EVALUATIONS = {"before": "eval-before", "after_sft": "eval-sft", "after_rl": "eval-after"}
 """Summary label -> the stage (and run subdirectory) that evaluated."""
 
 
-def zero_variance_fraction(groups: Sequence[Sequence[float]]) -> float | None:
-    """Fraction of groups whose rewards are all equal (pure); None for no group."""
-    if not groups:
+def zero_variance_fraction(groups: Sequence[Sequence[float]], skipped: int = 0) -> float | None:
+    """Fraction of groups whose rewards are all equal, counting `skipped` tied groups that were
+    never trained (pure); None for no group."""
+    if not groups and not skipped:
         return None
-    return sum(1 for g in groups if max(g) - min(g) <= 1e-9) / len(groups)
+    return (sum(1 for g in groups if tied(g)) + skipped) / (len(groups) + skipped)
 
 
-def trained_groups_by_step(ledger_path: Path) -> dict[int, list[list[float]]]:
-    """Rewards of each trained group, by the optimizer step that trained it."""
+def trained_groups_by_step(ledger_path: Path) -> tuple[dict[int, list[list[float]]], int]:
+    """Rewards of each trained group, by the optimizer step that trained it, and how many groups
+    were skipped as tied (`rollout.skip_tied_groups`)."""
     from atelier.rl.ledger import Ledger
+    from atelier.rl.reconciler import TIED_REASON
 
     ledger = Ledger.load(ledger_path)
     by_step: dict[int, list[list[float]]] = defaultdict(list)
@@ -52,7 +57,8 @@ def trained_groups_by_step(ledger_path: Path) -> dict[int, list[list[float]]]:
         trained = [s for s in slots if s.state == "trained" and s.reward is not None]
         if trained:
             by_step[trained[0].step or 0].append([float(s.reward) for s in trained])
-    return dict(by_step)
+    skipped = sum(1 for g in ledger.groups.values() if g.dropped.startswith(TIED_REASON))
+    return dict(by_step), skipped
 
 
 def rl_curves(rl_dir: Path) -> dict[str, Any]:
@@ -64,7 +70,8 @@ def rl_curves(rl_dir: Path) -> dict[str, Any]:
                 rows.append(json.loads(line))
             except json.JSONDecodeError:
                 continue
-    groups = trained_groups_by_step(rl_dir / "ledger.jsonl") if (rl_dir / "ledger.jsonl").is_file() else {}
+    groups, skipped = trained_groups_by_step(rl_dir / "ledger.jsonl") if (rl_dir / "ledger.jsonl").is_file() \
+        else ({}, 0)
     every = [g for step in sorted(groups) for g in groups[step]]
     return {
         "steps": [r["step"] for r in rows],
@@ -72,8 +79,9 @@ def rl_curves(rl_dir: Path) -> dict[str, Any]:
         "pass_rate": [r.get("pass_rate") for r in rows],
         "zero_variance_fraction": [zero_variance_fraction(groups.get(r["step"], [])) for r in rows],
         "groups": len(every),
-        "zero_variance_groups": sum(1 for g in every if max(g) - min(g) <= 1e-9),
-        "zero_variance_fraction_all": zero_variance_fraction(every),
+        "tied_groups_skipped": skipped,
+        "zero_variance_groups": sum(1 for g in every if tied(g)) + skipped,
+        "zero_variance_fraction_all": zero_variance_fraction(every, skipped),
     }
 
 

@@ -24,6 +24,11 @@ def group_advantages(rewards: Sequence[float | None]) -> list[float | None]:
     return [None if r is None else r - mean for r in rewards]
 
 
+def tied(rewards: Sequence[float]) -> bool:
+    """Every reward the same (within rounding): every advantage is 0, so the group teaches nothing."""
+    return max(rewards) - min(rewards) <= 1e-9
+
+
 def group_stats(rewards: Sequence[float | None], passed: Sequence[bool | None]) -> dict[str, float]:
     """Mean reward, pass rate and best-of-K over the valid members of one group, and
     `zero_variance` (1.0 when every valid member got the same reward: every advantage is 0,
@@ -37,5 +42,5 @@ def group_stats(rewards: Sequence[float | None], passed: Sequence[bool | None]) 
         "pass_rate": sum(ok) / len(ok) if ok else 0.0,
         "best_of_k": float(any(ok)),
         "valid": float(len(valid)),
-        "zero_variance": float(max(valid) - min(valid) <= 1e-9),
+        "zero_variance": float(tied(valid)),
     }

@@ -53,6 +53,11 @@ class RolloutConfig(AtelierConfig):
     A bug (any other exception) is never retried: it stops the run (atelier.failures)."""
     min_valid: int = Field(2, ge=1)
     """Fewest valid members a group needs to be trained; fewer: dropped with a reason."""
+    skip_tied_groups: bool = False
+    """Drop a group whose valid members all got the same reward (every advantage is 0: with
+    kl_beta = 0 it changes nothing) and admit another task in its place, so every step trains
+    `groups_per_step` groups with signal (DAPO's dynamic sampling). Costs the tied groups'
+    rollouts; the epoch's tasks bound it. The summary counts the skipped groups."""
 
 
 class TrainerConfig(AtelierConfig):

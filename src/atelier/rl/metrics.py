@@ -102,6 +102,7 @@ def step_metrics(*, step: int, batch: Batch, ledger_counts: dict[str, int], trai
         "best_of_k": sum(g["best_of_k"] for g in per_group) / max(len(per_group), 1),
         "groups": len(batch.groups), "samples": len(rewards),
         "zero_variance_groups": int(sum(g["zero_variance"] for g in per_group)),
+        "tied_groups_skipped": counters.tied_groups,
         "tampered": tampered, "out_of_memory": oom,
         "gen_tokens": counters.gen_tokens, "gen_tokens_per_s": counters.gen_tokens / gen_interval,
         "rollouts": counters.rollouts, "rollout_failures": counters.failures,

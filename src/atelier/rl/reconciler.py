@@ -66,13 +66,17 @@ from typing import Any, Callable, Protocol, Sequence
 from atelier.errors import AtelierError, BugError
 from atelier.failures import FailureLog, backoff_s, classify, describe
 from atelier.harness.trajectory import Trajectory
-from atelier.rl.advantages import group_advantages
+from atelier.rl.advantages import group_advantages, tied
 from atelier.rl.config import RolloutConfig
 from atelier.rl.curriculum import Curriculum
 from atelier.rl.ledger import Group, Ledger, Slot
 from atelier.rl.sample import Sample, samples_from_trajectory
 
 DoneCallback = Callable[[str, "Trajectory | None", "BaseException | None"], None]
+
+
+TIED_REASON = "tied"
+"""How a group dropped by `skip_tied_groups` begins its reason in the ledger."""
 
 
 class RolloutBackend(Protocol):
@@ -137,6 +141,8 @@ class Counters:
     """Infrastructure failures (each retried or, past `max_retries`, dropped)."""
     infra_types: Counter = field(default_factory=Counter)
     """The same by exception type."""
+    tied_groups: int = 0
+    """Groups dropped because every member got the same reward (`skip_tied_groups`)."""
     since: float = field(default_factory=time.perf_counter)
 
 
@@ -300,12 +306,18 @@ class Reconciler:
             for s in slots:
                 self._trajectories.pop(s.slot_id, None)
             return
-        advantages = group_advantages([s.reward for s in valid])
-        for s, adv in zip(valid, advantages):
-            self.ledger.set(s.slot_id, "ready", advantage=adv)
         self.curriculum.observe_group(self.category(self.tasks[group.task_id]), [s.turns for s in valid],
                                       [s.tokens for s in valid], [bool(s.passed) for s in valid],
                                       order=group.index)
+        rewards = [s.reward for s in valid]
+        if self.cfg.skip_tied_groups and tied(rewards):
+            self.ledger.drop_group(group.group_id, f"{TIED_REASON}: every member scored {rewards[0]:g}")
+            self.counters.tied_groups += 1
+            for s in slots:
+                self._trajectories.pop(s.slot_id, None)
+            return
+        for s, adv in zip(valid, group_advantages(rewards)):
+            self.ledger.set(s.slot_id, "ready", advantage=adv)
 
     # --- the trainer's side --------------------------------------------------
     def _ready(self, group: Group) -> bool:
