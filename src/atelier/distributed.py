@@ -206,7 +206,7 @@ class PolicyHead(nn.Module):
             B = ids_BT.shape[0]
             attn_BT = torch.cat([attn_BT.new_ones(B, prefix.length), attn_BT], dim=1)
             hidden_BTH = base(input_ids=ids_BT, attention_mask=attn_BT, use_cache=True,
-                              **{_cache_keyword(base): prefix.cache(B)}).last_hidden_state
+                              **{_cache_keyword(type(base)): prefix.cache(B)}).last_hidden_state
         return chunked_token_logprobs(hidden_BTH, self.lm.get_output_embeddings(), ids_BT, temperature,
                                       want_entropy, self.chunk)
 
@@ -222,18 +222,15 @@ class PolicyHead(nn.Module):
         base = decoder_of(self.lm)
         cache = DynamicCache(config=self.lm.config)
         base(input_ids=ids_1P, attention_mask=torch.ones_like(ids_1P), use_cache=True,
-             **{_cache_keyword(base): cache})
+             **{_cache_keyword(type(base)): cache})
         kv = [(layer.keys, layer.values) for layer in cache.layers]
         return SharedPrefix(ids_1P.shape[1], kv, self.lm.config)
 
 
-def _cache_keyword(decoder: nn.Module) -> str:
-    """transformers 5.20 renamed `past_key_values` to `cache` (the vLLM environment pins an earlier one)."""
-    return _cache_keyword_of(type(decoder))
-
-
 @functools.cache
-def _cache_keyword_of(decoder_type: type) -> str:   # read once per class, not at every micro-batch
+def _cache_keyword(decoder_type: type) -> str:
+    """transformers 5.20 renamed `past_key_values` to `cache` (the vLLM environment pins an earlier
+    one). Cached per decoder class: read once, not at every micro-batch."""
     import inspect
 
     return "cache" if "cache" in inspect.signature(decoder_type.forward).parameters else "past_key_values"

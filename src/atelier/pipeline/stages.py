@@ -427,11 +427,11 @@ class _Context:
         out = self.run_dir / "rl"
 
         def on_step(record: dict[str, Any]) -> None:
+            skipped = record.get("tied_groups_skipped", 0)
             self.say(f"  rl step {record['step']}: reward {record['reward_mean']:.3f}, "
                      f"pass rate {record['pass_rate']:.2f}, zero-variance groups "
                      f"{record.get('zero_variance_groups', 0)}/{record['groups']}"
-                     + (f" (+{record['tied_groups_skipped']} tied, skipped)" if record.get("tied_groups_skipped") else "")
-                     + ", "
+                     f"{f' (+{skipped} tied, skipped)' if skipped else ''}, "
                      f"{record['gen_tokens_per_s']:.0f} tokens/s")
             self._tick("rl", record["step"], self.config.rl.trainer.steps)
 

@@ -44,12 +44,14 @@ def zero_variance_fraction(groups: Sequence[Sequence[float]], skipped: int = 0) 
     return (sum(1 for g in groups if tied(g)) + skipped) / (len(groups) + skipped)
 
 
-def trained_groups_by_step(ledger_path: Path) -> tuple[dict[int, list[list[float]]], int]:
+def rl_groups(ledger_path: Path) -> tuple[dict[int, list[list[float]]], int]:
     """Rewards of each trained group, by the optimizer step that trained it, and how many groups
-    were skipped as tied (`rollout.skip_tied_groups`)."""
+    were skipped as tied (`rollout.skip_tied_groups`); nothing when there is no ledger."""
     from atelier.rl.ledger import Ledger
     from atelier.rl.reconciler import TIED_REASON
 
+    if not ledger_path.is_file():
+        return {}, 0
     ledger = Ledger.load(ledger_path)
     by_step: dict[int, list[list[float]]] = defaultdict(list)
     for group in ledger.groups.values():
@@ -70,8 +72,7 @@ def rl_curves(rl_dir: Path) -> dict[str, Any]:
                 rows.append(json.loads(line))
             except json.JSONDecodeError:
                 continue
-    groups, skipped = trained_groups_by_step(rl_dir / "ledger.jsonl") if (rl_dir / "ledger.jsonl").is_file() \
-        else ({}, 0)
+    groups, skipped = rl_groups(rl_dir / "ledger.jsonl")
     every = [g for step in sorted(groups) for g in groups[step]]
     return {
         "steps": [r["step"] for r in rows],
