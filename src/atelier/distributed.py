@@ -477,6 +477,26 @@ def return_freed_memory() -> bool:
         return False
 
 
+def trim_freed_memory() -> bool:
+    """Hand back to the OS what glibc's heaps hold freed (`malloc_trim`); False where it is not glibc.
+
+    `return_freed_memory` maps large tensors on their own, but a step also frees many
+    allocations under its threshold, in the heaps of every thread that made them (the RL
+    stage's engine and rollout workers share the trainer's process). glibc trims a heap
+    only from its top, so what is freed beneath a live allocation stays resident and the
+    resident set grew step after step: the RL trainer alone, bf16, 4 samples of about
+    1,450 tokens, rested at 2.93, 3.26, 3.58, 3.85, 3.99 GiB after steps 1-5, and at
+    2.64 GiB after each with this called after the step (it costs milliseconds).
+    """
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)   # its result only says whether it found pages to return
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
 def peak_memory_gb(device: torch.device) -> float:
     """Peak GPU memory allocated by this process, or its peak resident set on the CPU."""
     if device.type == "cuda":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -156,3 +158,17 @@ def test_shared_prefix_length_stops_before_the_first_trained_token():
     assert shared_prefix_length([a, a], [[0] * 100, [0] * 100]) == 99             # every sequence keeps a token
     assert shared_prefix_length([a], [[0] * 100]) == 0                            # one sequence: nothing to share
     assert shared_prefix_length([a, b], [[0] * 100, [0] * 30 + [1] * 70]) == 0    # below the minimum
+
+
+def test_each_cpu_step_hands_back_the_heap_it_freed(tiny_model_dir, monkeypatch):
+    """The trainer trims glibc's heaps after every step on the CPU (see
+    `atelier.distributed.trim_freed_memory`, tested in test_distributed.py)."""
+    from atelier import distributed as D
+
+    trims = []
+    monkeypatch.setattr(D, "trim_freed_memory", lambda: trims.append(1) or True)
+    trainer = Trainer(tiny_model_dir, TrainerConfig(norm_tokens=8.0, lr=1e-3))
+    sample = Sample([5, 17, 99, 3, 250, 7], [0, 0, 0, 1, 1, 1], [0.0] * 3 + [-2.0] * 3, [-1] * 6, 1.0, "g", "t")
+    for _ in range(2):
+        trainer.train_step([sample, dataclasses.replace(sample, advantage=-1.0)])
+    assert len(trims) == 2

@@ -175,6 +175,8 @@ class Trainer:
             totals = dict(zip(METRIC_SUMS, D.all_reduce_sum([sums[k] for k in METRIC_SUMS], self.ranks)))
             ratio_max, neg_ratio_min, mismatch_max, peak_gb = D.all_reduce_max(
                 [ratio_max, neg_ratio_min, mismatch_max, D.peak_memory_gb(self.ranks.device)], self.ranks)
+        if self.ranks.device.type == "cpu":
+            D.trim_freed_memory()   # the step's freed heap memory does not pile up under the next
         staleness = staleness_counts(all_samples, self.step)
         self.step += 1
         n_tokens = totals["tokens"]
