@@ -199,7 +199,8 @@ def test_large_freed_cpu_tensors_go_back_to_the_os():
         assert held - rss_mib() >= 15
 
 
-TRIM_PROBE = """
+# What the memory probes below start with: run in a fresh process, each reads its own resident set.
+PROBE_HEAD = """
 import json
 from pathlib import Path
 import torch
@@ -209,7 +210,10 @@ def rss_mib():
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS"):
             return int(line.split()[1]) / 1024
+"""
 
+
+TRIM_PROBE = PROBE_HEAD + """
 D.return_freed_memory()
 small = [torch.ones(1 << 16) for _ in range(1024)]   # 256 KiB each: from the heap, under the threshold
 top = torch.ones(1 << 16)                            # still alive, above them
@@ -237,17 +241,7 @@ def test_trimming_returns_what_the_heap_holds_freed():
     assert after_trim >= 200   # of the 256 MiB freed
 
 
-FREED_PROBE = """
-import json
-from pathlib import Path
-import torch
-from atelier import distributed as D
-
-def rss_mib():
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS"):
-            return int(line.split()[1]) / 1024
-
+FREED_PROBE = PROBE_HEAD + """
 def returned():
     drops = []
     for _ in range(3):
