@@ -466,15 +466,12 @@ def return_freed_memory() -> bool:
     1.423 GiB, step time the same within one run. Process-wide, like the
     MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ variables it stands for.
     """
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3   # glibc's malloc.h
-        return bool(libc.mallopt(m_mmap_threshold, HEAP_MMAP_THRESHOLD)
-                    and libc.mallopt(m_trim_threshold, HEAP_MMAP_THRESHOLD))
-    except (OSError, AttributeError):
+    libc = _glibc()
+    if libc is None:
         return False
+    m_trim_threshold, m_mmap_threshold = -1, -3   # glibc's malloc.h
+    return bool(libc.mallopt(m_mmap_threshold, HEAP_MMAP_THRESHOLD)
+                and libc.mallopt(m_trim_threshold, HEAP_MMAP_THRESHOLD))
 
 
 def trim_freed_memory() -> bool:
@@ -488,13 +485,23 @@ def trim_freed_memory() -> bool:
     1,450 tokens, rested at 2.93, 3.26, 3.58, 3.85, 3.99 GiB after steps 1-5, and at
     2.64 GiB after each with this called after the step (it costs milliseconds).
     """
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)   # its result only says whether it found pages to return
+    return True
+
+
+@functools.cache
+def _glibc() -> Any:
+    """The C library when it is glibc (it has `mallopt` and `malloc_trim`), else None."""
     import ctypes
 
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)   # its result only says whether it found pages to return
-    except (OSError, AttributeError):
-        return False
-    return True
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
 
 
 def peak_memory_gb(device: torch.device) -> float:

@@ -197,7 +197,6 @@ def test_deferred_sync_still_hands_each_event_to_the_os_at_once(tmp_path):
     ledger.close()
 
 
-
 @pytest.mark.parametrize("skip", [False, True])
 def test_tied_groups_are_trained_or_replaced_by_another_task(tmp_path, skip):
     """A group whose members all scored the same has no advantage. By default it is trained

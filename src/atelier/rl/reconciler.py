@@ -301,23 +301,24 @@ class Reconciler:
             return
         valid = [s for s in slots if s.state == "graded"]
         if len(valid) < min(self.cfg.min_valid, group.size):
-            self.ledger.drop_group(group.group_id, f"only {len(valid)} of {group.size} rollouts "
-                                                   f"survived infrastructure failures")
-            for s in slots:
-                self._trajectories.pop(s.slot_id, None)
+            self._drop(group, slots, f"only {len(valid)} of {group.size} rollouts survived infrastructure failures")
             return
         self.curriculum.observe_group(self.category(self.tasks[group.task_id]), [s.turns for s in valid],
                                       [s.tokens for s in valid], [bool(s.passed) for s in valid],
                                       order=group.index)
         rewards = [s.reward for s in valid]
         if self.cfg.skip_tied_groups and tied(rewards):
-            self.ledger.drop_group(group.group_id, f"{TIED_REASON}: every member scored {rewards[0]:g}")
+            self._drop(group, slots, f"{TIED_REASON}: every member scored {rewards[0]:g}")
             self.counters.tied_groups += 1
-            for s in slots:
-                self._trajectories.pop(s.slot_id, None)
             return
         for s, adv in zip(valid, group_advantages(rewards)):
             self.ledger.set(s.slot_id, "ready", advantage=adv)
+
+    def _drop(self, group: Group, slots: Sequence[Slot], reason: str) -> None:
+        """Drop a completed group that will not be trained, and forget its members' trajectories."""
+        self.ledger.drop_group(group.group_id, reason)
+        for s in slots:
+            self._trajectories.pop(s.slot_id, None)
 
     # --- the trainer's side --------------------------------------------------
     def _ready(self, group: Group) -> bool:
