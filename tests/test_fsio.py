@@ -130,3 +130,125 @@ def test_crash_point_kills_on_the_nth_visit_only(setting, printed, killed) -> No
     res = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=60)
     assert res.stdout == printed
     assert res.returncode == (-9 if killed else 0)
+
+
+# --- a full disk is told, not traced ---------------------------------------
+
+def _on_a_small_disk(tmp_path: Path, script: str, size: str, **env: str) -> subprocess.CompletedProcess:
+    """Run the shell `script` (`$DISK` is the mount point, `$PYTHON` this interpreter, `env` more
+    variables) with a fresh tmpfs of `size` mounted at tmp_path/disk, in a user and mount
+    namespace of its own (no root needed)."""
+    import shutil
+
+    if shutil.which("unshare") is None:
+        pytest.skip("needs util-linux unshare")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    namespace = ["unshare", "--user", "--map-root-user", "--mount"]
+    probe = subprocess.run([*namespace, "mount", "-t", "tmpfs", "tmpfs", str(disk)], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs in a user namespace here: {probe.stderr.strip()}")
+    return subprocess.run([*namespace, "sh", "-c", f'mount -t tmpfs -o size={size} tmpfs "$DISK" && {script}'],
+                          env={**os.environ, "DISK": str(disk), "PYTHON": sys.executable, **env},
+                          capture_output=True, text=True, timeout=600)
+
+
+def _python_on_a_small_disk(tmp_path: Path, program: str, size: str) -> dict:
+    """Run the Python `program` (`DISK` bound to the mount point) on a small disk; the JSON it prints last."""
+    import json
+
+    opening = "from os import environ\nfrom pathlib import Path\nDISK = Path(environ['DISK'])\n"
+    proc = _on_a_small_disk(tmp_path, '"$PYTHON" -c "$PROGRAM"', size, PROGRAM=opening + program)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+_TELL = """
+import json, os
+from atelier.fsio import DiskFullError
+
+def tell(write):
+    try:
+        write()
+    except DiskFullError as exc:
+        return {"error": exc.message, "hint": exc.hint, "cause": type(exc.__cause__).__name__}
+    except Exception as exc:
+        return {"untyped": repr(exc)}
+    return {"written": True}
+"""
+
+
+def test_writes_that_fill_the_disk_raise_a_typed_error_and_leave_nothing(tmp_path: Path) -> None:
+    """Disk full used to reach the user as torch's own error ("[enforce fail at
+    inline_container.cc:672] unexpected pos ...", no errno) with a traceback, in
+    the middle of a checkpoint. Each writer's form of it (torch.save's
+    RuntimeError, a plain OSError ENOSPC, safetensors' own error) becomes one
+    typed error naming the disk and the fix; the partial files are removed."""
+    told = _python_on_a_small_disk(tmp_path, _TELL + """
+import torch
+from safetensors.torch import save_file
+from atelier.fsio import atomic_dir, atomic_write, told_when_disk_full
+
+def torch_checkpoint():
+    with atomic_dir(DISK / "step-000001") as tmp:
+        torch.save({"optimizer": torch.zeros(1 << 20)}, tmp / "optimizer.pt")
+
+def safetensors_weights():
+    with told_when_disk_full(DISK / "weights", "writing the weights"):
+        save_file({"w": torch.zeros(1 << 20)}, str(DISK / "model.safetensors"))
+
+out = {"torch": tell(torch_checkpoint),
+       "plain": tell(lambda: atomic_write(DISK / "records.json", b"x" * (2 << 20))),
+       "safetensors": tell(safetensors_weights)}
+out["left"] = sorted(os.listdir(DISK))
+out["not_full"] = tell(lambda: atomic_write(DISK / "small.json", "{}"))
+print(json.dumps(out))
+""", size="1m")
+    for writer, cause in (("torch", "RuntimeError"), ("plain", "OSError"), ("safetensors", "SafetensorError")):
+        assert "error" in told[writer], (writer, told[writer])
+        assert told[writer]["error"].startswith("the disk is full"), told[writer]
+        assert str(tmp_path / "disk") in told[writer]["error"] and "MiB free" in told[writer]["error"]
+        assert "free space" in told[writer]["hint"] and "resume" in told[writer]["hint"]
+        assert told[writer]["cause"] == cause
+    assert told["left"] == []            # no temporary outlived its failed write
+    assert told["not_full"] == {"written": True}
+
+
+def test_other_write_errors_pass_unchanged(tmp_path: Path) -> None:
+    """Only a full disk is re-told: a bug in what is being written keeps its own error."""
+    from atelier.fsio import DiskFullError, told_when_disk_full
+
+    with pytest.raises(RuntimeError, match="not a disk problem"):
+        with told_when_disk_full(tmp_path / "x", "writing x"):
+            raise RuntimeError("not a disk problem")
+    with pytest.raises(DiskFullError, match="the disk is full: writing x"):
+        with told_when_disk_full(tmp_path / "x", "writing x"):
+            raise OSError(28, os.strerror(28))
+
+
+@pytest.mark.timeout(900)  # a hang guard only
+def test_a_run_that_fills_the_disk_stops_with_the_fix_and_resumes_once_there_is_room(tmp_path: Path,
+                                                                                     tiny_model_dir) -> None:
+    """`atelier pretrain` on a disk that fills up at its second checkpoint: the user reads "error:
+    the disk is full ..." and a hint, exit status 2, no traceback; with room made, --resume
+    continues from the checkpoint that was written and finishes."""
+    import json
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "pretrain-tiny.toml"
+    cli = '"$PYTHON" -m atelier.cli.main pretrain'
+    proc = _on_a_small_disk(
+        tmp_path,
+        f'{cli} {recipe} --set model={tiny_model_dir} --set evals.max_repo_tokens=300 '
+        '--set evals.max_new_tokens=8 --run-dir "$DISK/run"; echo "status $?"; '
+        f'mount -o remount,size=64m "$DISK" && {cli} --resume "$DISK/run" --json && cat "$DISK/run/metrics.jsonl"',
+        size="2m")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.startswith("error: the disk is full: writing the checkpoint at "), proc.stderr
+    assert "\nhint: free space on the disk holding" in proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "status 2" in lines, proc.stdout[-2000:]
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    summary = next(r for r in records if "final_model" in r)
+    assert not summary["stopped"] and summary["global_step"] == 8
+    steps = [r["step"] for r in records if "loss" in r]
+    assert steps == sorted(set(steps)) and len(steps) == 8, steps   # every step once: none lost, none twice

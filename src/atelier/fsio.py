@@ -26,10 +26,16 @@ its commit point. The tools:
   mid-step while the others run on into their next collective. Tests crash
   at every point in turn and check that the resumed run equals an
   uninterrupted one.
+- `told_when_disk_full(path, what)`: a write that fails because the disk
+  (or the user's quota) is full raises `DiskFullError`, which names the
+  path, the free space and the fix, instead of the writer's own error (for
+  torch's checkpoint writer, an "unexpected pos" traceback). `atomic_write`
+  and `atomic_dir` use it, so every checkpoint, model and record does.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -37,6 +43,8 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+from atelier.errors import AtelierError
 
 CRASH_ENV = "ATELIER_CRASH_AT"
 
@@ -48,7 +56,7 @@ def atomic_write(path: str | os.PathLike, data: bytes | str, *, fsync: bool = Tr
     payload = data.encode("utf-8") if isinstance(data, str) else data
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with told_when_disk_full(path, f"writing {path.name}"), os.fdopen(fd, "wb") as f:
             f.write(payload)
             f.flush()
             if fsync:
@@ -79,19 +87,21 @@ def atomic_dir(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[Path]
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
-        os.chmod(tmp, 0o777 & ~_UMASK)  # mkdtemp's 0700 would outlive the rename
-        yield tmp
-        if fsync:
-            _fsync_tree(tmp)
-        if path.exists():  # a stale copy (a resumed run writes it again): moved aside, then removed
-            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-            os.replace(path, old / "old")
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-        if fsync:
-            _fsync_dir(path.parent)
+        # Told inside the cleanup: once the partial files are removed, the disk no longer looks full.
+        with told_when_disk_full(path, f"writing {path.name}"):
+            os.chmod(tmp, 0o777 & ~_UMASK)  # mkdtemp's 0700 would outlive the rename
+            yield tmp
+            if fsync:
+                _fsync_tree(tmp)
+            if path.exists():  # a stale copy (a resumed run writes it again): moved aside, then removed
+                old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+                os.replace(path, old / "old")
+                os.replace(tmp, path)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, path)
+            if fsync:
+                _fsync_dir(path.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -120,10 +130,70 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class DiskFullError(AtelierError):
+    """A write failed because the filesystem it went to (or the user's quota there) is full."""
+
+
+# Under this much free space, a writer's failure is taken for a full disk even
+# when its error does not say so: torch.save reports ENOSPC as
+# "[enforce fail at inline_container.cc] unexpected pos", without an errno.
+LOW_FREE_BYTES = 64 << 20
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_FULL_WORDS = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))
+
+
+def is_disk_full(exc: BaseException, path: str | os.PathLike) -> bool:
+    """Whether `exc`, raised while writing under `path`, is a full disk or quota: an OSError
+    with ENOSPC or EDQUOT (itself or a cause), a library error whose text says so (safetensors),
+    or a write error (OSError, RuntimeError) while the filesystem has almost no space left."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _FULL_ERRNOS:
+            return True
+        if any(words in str(seen) for words in _FULL_WORDS):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    if not isinstance(exc, (OSError, RuntimeError)):
+        return False
+    free = free_bytes(path)
+    return free is not None and free < LOW_FREE_BYTES
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """Free bytes (for this user) on the filesystem holding `path` or its nearest existing parent."""
+    path = Path(path).absolute()
+    for candidate in (path, *path.parents):
+        try:
+            return shutil.disk_usage(candidate).free
+        except OSError:
+            continue
+    return None
+
+
+@contextmanager
+def told_when_disk_full(path: str | os.PathLike, what: str) -> Iterator[None]:
+    """Raise `DiskFullError` (naming `what`, `path`, the free space and the fix) in place of an
+    error from the block that `is_disk_full` recognises; any other error passes unchanged."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except Exception as exc:
+        if not is_disk_full(exc, path):
+            raise
+        free = free_bytes(path)
+        left = f"{free / 2**20:.1f} MiB free" if free is not None else "free space unknown"
+        raise DiskFullError(
+            f"the disk is full: {what} at {path} failed ({left} there; {type(exc).__name__}: {exc})",
+            hint=f"free space on the disk holding {Path(path).absolute().parent} (old run directories and "
+                 "their checkpoints are the usual culprits), then resume: the same `atelier run` command, "
+                 "or --resume RUN_DIR; what was already written is kept") from exc
+
+
 def append_line(path: str | os.PathLike, line: str) -> None:
     """Append `line` (a newline is added) and fsync: once this returns, the
     line survives `kill -9` and, with the disk's cooperation, power loss."""
-    with open(path, "a", encoding="utf-8") as f:
+    with told_when_disk_full(path, f"appending to {Path(path).name}"), open(path, "a", encoding="utf-8") as f:
         f.write(line.rstrip("\n") + "\n")
         f.flush()
         os.fsync(f.fileno())

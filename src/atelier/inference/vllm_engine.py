@@ -96,6 +96,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from atelier.errors import AtelierError, InfraError
+from atelier.fsio import told_when_disk_full
 from atelier.inference.types import Generation, SamplingParams
 from atelier.inference.vllm_server import VLLMConfig, VLLMServer, VLLMUnavailable
 
@@ -562,7 +563,8 @@ def _write_safetensors(directory: Path, tensors: dict[str, Any]) -> None:
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"))
+    with told_when_disk_full(directory, "writing the policy's weights for vLLM"):
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"))
 
 
 def _write_model_dir(directory: Path, base: Path, tensors: dict[str, Any]) -> None:

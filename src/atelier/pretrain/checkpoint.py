@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from atelier.fsio import atomic_write, crash_point
+from atelier.fsio import atomic_write, crash_point, told_when_disk_full
 
 CHECKPOINTS = "checkpoints"
 
@@ -44,22 +44,23 @@ def save_checkpoint(run_dir: Path, head, tokenizer, optimizer, state: dict[str, 
             shutil.rmtree(out)
         out.mkdir(parents=True)
     D.barrier(ranks)
-    with D.named_failure("writing a checkpoint"):
-        weights = {k.removeprefix("lm."): v for k, v in D.full_state_dict(head, ranks).items()}
-        if ranks.sharded and optimizer is not None:
-            D.save_sharded(out / "sharded", head, optimizer)
-        D.barrier(ranks)
-    if not ranks.main:
-        return out
-    D.unwrap(head).save_pretrained(out, state_dict=weights)
-    tokenizer.save_pretrained(out)
-    torch.save({
-        "optimizer": optimizer.state_dict() if optimizer is not None and not ranks.sharded else None,
-        "torch_rng": torch.get_rng_state(),
-        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        "numpy_rng": np.random.get_state(),
-        "python_rng": random.getstate(),
-    }, out / "trainer_state.pt")
+    with told_when_disk_full(out, "writing the checkpoint"):
+        with D.named_failure("writing a checkpoint"):
+            weights = {k.removeprefix("lm."): v for k, v in D.full_state_dict(head, ranks).items()}
+            if ranks.sharded and optimizer is not None:
+                D.save_sharded(out / "sharded", head, optimizer)
+            D.barrier(ranks)
+        if not ranks.main:
+            return out
+        D.unwrap(head).save_pretrained(out, state_dict=weights)
+        tokenizer.save_pretrained(out)
+        torch.save({
+            "optimizer": optimizer.state_dict() if optimizer is not None and not ranks.sharded else None,
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "numpy_rng": np.random.get_state(),
+            "python_rng": random.getstate(),
+        }, out / "trainer_state.pt")
     crash_point("pretrain.before_commit")
     atomic_write(out / "state.json", json.dumps(state, indent=1) + "\n")
     for old in complete_checkpoints(run_dir)[:-keep]:
