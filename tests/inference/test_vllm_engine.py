@@ -17,6 +17,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -299,6 +300,7 @@ def test_updated_server_equals_a_fresh_one_and_survives_kill_9(vllm_engine, hf_m
     assert max(abs(a - b) for a, b in zip(updated.logprobs,
                                           recompute(hf_model, prompt, updated.token_ids, 0.7))) < 1e-4
 
+    killed_sockets = vllm_engine.server.rpc_dir
     os.kill(vllm_engine.server.pid, signal.SIGKILL)
     restarts = vllm_engine.stats["restarts"]
     try:  # the request that meets the dead server is an infrastructure failure (retried)...
@@ -306,6 +308,7 @@ def test_updated_server_equals_a_fresh_one_and_survives_kill_9(vllm_engine, hf_m
     except EngineUnavailable:
         fresh = vllm_engine.generate(prompt, params)  # ...and the next one runs on the restarted server
     assert vllm_engine.stats["restarts"] == restarts + 1
+    assert not killed_sockets.exists() and vllm_engine.server.rpc_dir.is_dir()
     assert vllm_engine.version == version
     assert fresh.token_ids == updated.token_ids
     assert max(abs(a - b) for a, b in zip(fresh.logprobs, updated.logprobs)) < 1e-5
@@ -421,6 +424,47 @@ def test_a_run_reattaching_by_url_serves_its_own_weights(vllm_engine, vllm_model
     finally:
         engine.close()
     vllm_engine.update_weights(other, vllm_engine.version + 1)  # the server again holds what its engine records
+
+
+def test_vllm_sockets_live_in_the_servers_own_directory(vllm_engine):
+    """vLLM names its processes' Unix sockets `<tmp>/<uuid>` and leaves them when its group is
+    stopped (196 of them had piled up in /tmp here): a server's go to a directory of its own."""
+    import stat
+    import tempfile
+
+    rpc_dir = vllm_engine.server.rpc_dir
+    assert rpc_dir is not None and rpc_dir.parent == Path(tempfile.gettempdir())
+    sockets = [p for p in rpc_dir.iterdir() if stat.S_ISSOCK(p.lstat().st_mode)]
+    assert sockets, sorted(rpc_dir.iterdir())   # vLLM put its sockets here, not in /tmp
+    assert vllm_engine.server.pid_path.read_text().split()[1] == str(rpc_dir)
+
+
+def test_stopping_a_server_or_reaping_a_killed_one_removes_its_socket_directory(tmp_path):
+    """Stopped, a server's socket directory goes with its group; the group a killed atelier left
+    (its id and directory kept beside the log) is reaped by the next start, directory included.
+    `sleep` stands in for vLLM's processes; only directories atelier made are removed."""
+    import subprocess
+    import tempfile
+
+    from atelier.inference.vllm_server import RPC_DIR_PREFIX, VLLMConfig, VLLMServer, in_group
+
+    server = VLLMServer(VLLMConfig(), tmp_path / "model", "m", 64, tmp_path / "vllm.log")
+    server.proc = subprocess.Popen(["sleep", "600"], **in_group(0))
+    server.rpc_dir = Path(tempfile.mkdtemp(prefix=RPC_DIR_PREFIX))
+    (server.rpc_dir / "socket-stand-in").touch()
+    stopped = server.rpc_dir
+    server.stop()
+    assert not stopped.exists() and server.rpc_dir is None
+
+    left = Path(tempfile.mkdtemp(prefix=RPC_DIR_PREFIX))
+    server.pid_path.write_text(f"{os.getpid()}\n{left}\n")   # our own group: nothing in it says vllm
+    server._reap_orphans()
+    assert not left.exists()
+    theirs = tmp_path / "not-atelier"
+    theirs.mkdir()
+    server.pid_path.write_text(f"{os.getpid()}\n{theirs}\n")
+    server._reap_orphans()
+    assert theirs.exists()
 
 
 @pytest.mark.parametrize("killer", ["kill -9 of atelier", "Ray's cleanup of a dead actor"])

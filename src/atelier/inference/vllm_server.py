@@ -35,6 +35,12 @@ restarted from a rollout thread. As a second line, the next server started
 with the same log path (what `--resume` does) kills whatever is left of a
 group whose id is kept next to the log.
 
+vLLM's processes talk over Unix sockets it names `<tmp>/<uuid>` and does not
+remove when its group is stopped; they piled up in /tmp, one set per server
+start. Each server gets a directory of its own for them
+(`VLLM_RPC_BASE_PATH`), removed when it stops (or, after a kill, by the next
+start with the same log path).
+
 To connect to a server you started yourself, set `vllm.url`; start it with
 the same flags and environment (`server_command` prints them).
 """
@@ -44,8 +50,10 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Literal
@@ -214,6 +222,15 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
+RPC_DIR_PREFIX = "atelier-vllm-rpc-"
+
+
+def _remove_rpc_dir(path: Path | None) -> None:
+    """Remove a server's socket directory (only one atelier made: its name says so)."""
+    if path is not None and path.name.startswith(RPC_DIR_PREFIX):
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -232,6 +249,7 @@ class VLLMServer:
         self.port = config.port or free_port()
         self.proc: subprocess.Popen | None = None
         self.watchdog: subprocess.Popen | None = None
+        self.rpc_dir: Path | None = None   # vLLM's sockets, this server's alone
 
     @property
     def url(self) -> str:
@@ -259,12 +277,16 @@ class VLLMServer:
         args, extra = server_command(self.config, self.python, self.model_dir, self.served_name, self.port,
                                      self.max_model_len)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        # Short, in the system's temporary directory: a socket's path must fit in 108 bytes.
+        self.rpc_dir = Path(tempfile.mkdtemp(prefix=RPC_DIR_PREFIX))
         with open(self.log_path, "ab") as log:
             log.write(f"\n=== atelier: starting {' '.join(args)}\n".encode())
-            self.proc = subprocess.Popen(args, env={**os.environ, **extra}, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, **in_group(0))
+            self.proc = subprocess.Popen(args, env={**os.environ, **extra, "VLLM_RPC_BASE_PATH": str(self.rpc_dir)},
+                                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         **in_group(0))
         self.watchdog = start_watchdog(self.proc.pid)
-        self.pid_path.write_text(f"{self.proc.pid}\n")  # for operators (and tests) that need to find it
+        # The group id for operators (and tests) that need to find it, and for `_reap_orphans`.
+        self.pid_path.write_text(f"{self.proc.pid}\n{self.rpc_dir}\n")
         deadline = time.monotonic() + self.config.startup_timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
@@ -308,11 +330,14 @@ class VLLMServer:
             except subprocess.TimeoutExpired:
                 self.watchdog.kill()
             self.watchdog = None
+        _remove_rpc_dir(self.rpc_dir)
+        self.rpc_dir = None
 
     def _reap_orphans(self) -> None:
         """Kill what is left of a server a killed atelier started with this log path (its process group)."""
         try:
-            pgid = int(self.pid_path.read_text().split()[0])
+            recorded = self.pid_path.read_text().split()
+            pgid = int(recorded[0])
         except (OSError, ValueError, IndexError):
             return
         for pid in _group_members(pgid):
@@ -321,6 +346,8 @@ class VLLMServer:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+        if len(recorded) > 1:   # written since servers have their own socket directory
+            _remove_rpc_dir(Path(recorded[1]))
 
     def log_tail(self, lines: int = 25) -> str:
         try:
