@@ -147,7 +147,9 @@ def is_disk_full(exc: BaseException, path: str | os.PathLike) -> bool:
     with ENOSPC or EDQUOT (itself or a cause), a library error whose text says so (safetensors),
     or a write error (OSError, RuntimeError) while the filesystem has almost no space left."""
     seen: BaseException | None = exc
-    while seen is not None:
+    visited: set[int] = set()
+    while seen is not None and id(seen) not in visited:   # a chain can loop back on itself
+        visited.add(id(seen))
         if isinstance(seen, OSError) and seen.errno in _FULL_ERRNOS:
             return True
         if any(words in str(seen) for words in _FULL_WORDS):
