@@ -128,8 +128,9 @@ def run_pretrain(config: PretrainConfig, run_dir: str | Path, *, resume: bool = 
             # `step`: the first step it holds for, so a resume from before that step logs it again
             log.event({"step": state["global_step"] + 1, "phase": phase.name, "rope_theta": theta})
         batches = _batches(config, phase, index, corpus, tokenizer, state["cursor"] if mid_phase else None)
+        # fused, as the RL trainer's (one kernel per tensor, no list-wide temporaries): the same update
         optimizer = torch.optim.AdamW(head.parameters(), lr=phase.lr, betas=phase.betas,
-                                      weight_decay=phase.weight_decay)
+                                      weight_decay=phase.weight_decay, fused=True)
         if mid_phase and checkpoint is not None and (checkpoint / "sharded").is_dir():
             with D.named_failure("reading the sharded checkpoint"):
                 D.load_sharded(checkpoint / "sharded", head, optimizer)
