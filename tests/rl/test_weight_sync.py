@@ -74,6 +74,31 @@ def test_in_process_sync_hands_out_a_detached_copy():
     assert step == 1 and torch.equal(sd["w"], torch.ones(3))
 
 
+def test_a_tied_head_is_published_once_and_stays_tied(tiny_model_dir):
+    """A tied model's state_dict names its embedding twice (`lm_head.weight` too): the published
+    copy, in the model's dtype or converted to bf16, holds it once (SmolLM2-135M's fp32 publish
+    was 651 MB with the tie copied twice, 538 MB without), and the engine's tied head still
+    receives it. `sync_bytes` counts what is held."""
+    from transformers import AutoModelForCausalLM
+
+    from atelier.rl.run import _published
+
+    state = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+    whole = sum(t.numel() * t.element_size() for t in state.values())
+    head = state["lm_head.weight"].numel() * 4
+    for dtype, scale in (("same", 1), ("bfloat16", 2)):
+        stats = InProcessWeightSync().publish(_published(state, dtype), 1)
+        assert stats.bytes == (whole - head) // scale, dtype
+    sync = InProcessWeightSync()
+    sync.publish(_published(state, "bfloat16"), 1)
+    copy, _ = sync.latest()
+    assert copy["lm_head.weight"] is copy["model.embed_tokens.weight"]
+    assert copy["lm_head.weight"].dtype == torch.bfloat16
+    assert torch.equal(copy["lm_head.weight"], state["model.embed_tokens.weight"].to(torch.bfloat16))
+    assert copy["model.norm.weight"].data_ptr() != state["model.norm.weight"].data_ptr()   # still a copy
+
+
 def test_bf16_deltas_of_a_small_step_are_a_small_fraction_of_a_snapshot(tmp_path):
     g = torch.Generator().manual_seed(2)
     master = torch.randn(256, 256, generator=g)            # fp32 master weights

@@ -57,7 +57,7 @@ from atelier.rl.env import make_environment
 from atelier.rl.ledger import Ledger
 from atelier.rl.metrics import MetricsWriter, committed_counts, make_loggers, step_metrics
 from atelier.rl.reconciler import Batch, Reconciler
-from atelier.rl.weight_sync import WeightSync, make_weight_sync
+from atelier.rl.weight_sync import WeightSync, make_weight_sync, map_tensors
 
 
 class RunDirError(AtelierError):
@@ -323,7 +323,7 @@ def _published(state_dict, dtype: str):
         return state_dict
     import torch
 
-    return {k: v.detach().to(torch.bfloat16) if v.is_floating_point() else v for k, v in state_dict.items()}
+    return map_tensors(state_dict, lambda v: v.detach().to(torch.bfloat16) if v.is_floating_point() else v)
 
 
 def _tokenizer(model_path: Path):

@@ -80,8 +80,27 @@ class WeightSync(Protocol):
         ...
 
 
+def map_tensors(state_dict: StateDict, fn) -> StateDict:
+    """`fn` of each tensor, called once for keys that are views of one tensor (a tied embedding
+    and LM head), so their results stay one tensor: a tied head is not copied twice."""
+    done: dict[tuple, torch.Tensor] = {}
+    out = {}
+    for key, value in state_dict.items():
+        tie = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape),
+               tuple(value.stride()), value.dtype, value.device)
+        if tie not in done:
+            done[tie] = fn(value)
+        out[key] = done[tie]
+    return out
+
+
+def distinct_bytes(state_dict: StateDict) -> int:
+    """Bytes the tensors of `state_dict` hold, a tensor shared by several keys counted once."""
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in state_dict.values()}.values())
+
+
 def detached_copy(state_dict: StateDict) -> StateDict:
-    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}
+    return map_tensors(state_dict, lambda v: v.detach().to("cpu", copy=True).contiguous())
 
 
 class InProcessWeightSync:
@@ -96,8 +115,7 @@ class InProcessWeightSync:
         copy = detached_copy(state_dict)
         with self._lock:
             self._current = (copy, step)
-        nbytes = sum(t.numel() * t.element_size() for t in copy.values())
-        return SyncStats(step, nbytes, time.perf_counter() - start, "inprocess", len(copy))
+        return SyncStats(step, distinct_bytes(copy), time.perf_counter() - start, "inprocess", len(copy))
 
     def latest(self) -> tuple[StateDict, int] | None:
         with self._lock:
@@ -245,4 +263,4 @@ def make_weight_sync(kind: str, root: str | Path | None = None, full_every: int 
 
 
 __all__ = ["DeltaChainWeightSync", "InProcessWeightSync", "SyncStats", "WeightSync",
-           "detached_copy", "make_weight_sync"]
+           "detached_copy", "distinct_bytes", "make_weight_sync", "map_tensors"]
