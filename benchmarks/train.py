@@ -59,7 +59,8 @@ def worker(spec: dict) -> None:
     torch.set_num_threads(spec["threads"])
     cfg = TrainerConfig(precision=spec["precision"], micro_batch=spec["micro_batch"], device=spec["device"],
                         activation_checkpointing=spec["activation_checkpointing"], lr=1e-6, norm_tokens=4096,
-                        logprob_chunk=spec["logprob_chunk"], share_prefix=spec["share_prefix"])
+                        logprob_chunk=spec["logprob_chunk"], share_prefix=spec["prefix"] != "whole",
+                        recompute_prefix=spec["prefix"] != "kept")
     trainer = Trainer(spec["model"], cfg)
     device = str(trainer.ranks.device)
     dtype = torch.bfloat16 if trainer.precision == "bf16" else torch.float32
@@ -95,7 +96,7 @@ def worker(spec: dict) -> None:
         achieved = tokens / step_s * flops_per_token / 1e9
         Path(spec["out"]).write_text(json.dumps({
             "ranks": trainer.ranks.world, "precision": trainer.precision, "device": device,
-            "share_prefix": spec["share_prefix"],
+            "share_prefix": spec["prefix"] != "whole", "prefix": spec["prefix"],
             "threads_per_rank": spec["threads"], "step_s": round(step_s, 3),
             "tokens_per_s": round(tokens / step_s, 1), "matmul_gflops_all_ranks": round(rates, 1),
             "achieved_gflops": round(achieved, 1), "mfu": round(achieved / rates, 4),
@@ -118,7 +119,8 @@ def main() -> None:
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--logprob-chunk", type=int, default=512, help="tokens per logprob-head block (rl.trainer.logprob_chunk)")
     parser.add_argument("--shared-prefix", type=int, default=0,
-                        help="tokens every sample begins with (a system prompt); >0 also times rl.trainer.share_prefix off")
+                        help="tokens every sample begins with (a system prompt); >0 also times rl.trainer.share_prefix "
+                             "off, and on with recompute_prefix off (the prefix's activations kept)")
     parser.add_argument("--trained", type=int, default=0,
                         help="trained tokens at the end of each sample (an RL rollout's sampled turns); 0: all")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -133,14 +135,14 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory(prefix="atelier-bench-train-") as tmp:
         model = args.model or str(build_model(Path(tmp) / "model"))
-        shares = (False, True) if args.shared_prefix else (True,)
-        for world, precision, share in ((w, p, s) for w in args.ranks for p in args.precisions for s in shares):
-            name = f"{world}-{precision}-{'shared' if share else 'whole'}"
+        prefixes = ("whole", "shared", "kept") if args.shared_prefix else ("shared",)
+        for world, precision, prefix in ((w, p, m) for w in args.ranks for p in args.precisions for m in prefixes):
+            name = f"{world}-{precision}-{prefix}"
             spec = {"model": model, "seq_len": args.seq_len, "batch": args.batch,
                     "micro_batch": args.micro_batch, "precision": precision, "device": args.device,
                     "threads": max(1, threads // world), "steps": args.steps, "warmup": args.warmup,
                     "activation_checkpointing": args.activation_checkpointing,
-                    "logprob_chunk": args.logprob_chunk, "share_prefix": share,
+                    "logprob_chunk": args.logprob_chunk, "prefix": prefix,
                     "shared_prefix": args.shared_prefix, "trained": args.trained,
                     "out": str(Path(tmp) / f"r{name}.json")}
             path = Path(tmp) / f"spec-{name}.json"
@@ -148,12 +150,17 @@ def main() -> None:
             env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"])}
             run_ranks([__file__, "--worker", str(path)], world, env=env, what="benchmark")
             results.append(json.loads(Path(spec["out"]).read_text()))
-    by = {(r["ranks"], r["precision"]): r for r in results if r["share_prefix"]}
+    by = {(r["ranks"], r["precision"]): r for r in results if r["prefix"] == "shared"}
     ratios = {}
-    for whole in (r for r in results if not r["share_prefix"]):   # the same samples, each run whole
-        shared = by[(whole["ranks"], whole["precision"])]
-        ratios[f"shared_prefix_speedup_{whole['ranks']}_ranks_{whole['precision']}"] = round(
-            whole["step_s"] / shared["step_s"], 2)
+    for other in (r for r in results if r["prefix"] != "shared"):   # the same samples, run whole or prefix kept
+        shared = by[(other["ranks"], other["precision"])]
+        where = f"{other['ranks']}_ranks_{other['precision']}"
+        if other["prefix"] == "whole":
+            ratios[f"shared_prefix_speedup_{where}"] = round(other["step_s"] / shared["step_s"], 2)
+        else:
+            ratios[f"prefix_recompute_step_time_{where}"] = round(shared["step_s"] / other["step_s"], 2)
+            ratios[f"prefix_recompute_peak_rss_{where}"] = round(
+                shared["peak_rss_gb_max_rank"] / other["peak_rss_gb_max_rank"], 2)
     for world in args.ranks:
         if (world, "fp32") in by and (world, "bf16") in by:
             ratios[f"bf16_over_fp32_tokens_per_s_{world}_ranks"] = round(

@@ -136,17 +136,46 @@ def test_a_shared_prefix_runs_once_and_takes_the_same_step(tiny_model_dir, kl_be
         samples.append(Sample(prompt + own + sampled, [0] * n + [1] * len(sampled), [0.0] * n + [-3.0] * len(sampled),
                               [-1] * n + [0] * len(sampled), adv, "g", "t"))
     out = []
-    for share in (False, True):
+    for share, recompute in ((False, False), (True, False), (True, True)):
         trainer = Trainer(tiny_model_dir, TrainerConfig(precision="fp32", norm_tokens=16.0, lr=1e-3, micro_batch=2,
-                                                        share_prefix=share, kl_beta=kl_beta))
+                                                        share_prefix=share, recompute_prefix=recompute,
+                                                        kl_beta=kl_beta))
         out.append((trainer.train_step(samples), trainer.model.state_dict()))
-    (m0, w0), (m1, w1) = out
-    assert m0["shared_prefix_tokens"] == 0 and m1["shared_prefix_tokens"] == 70
-    assert m1["train_tokens"] == m0["train_tokens"] == 6 + 7 + 8
-    for key in ("loss", "grad_norm", "entropy", "is_weight_mean", "kl_k1"):
-        assert m1[key] == pytest.approx(m0[key], rel=1e-4, abs=1e-6)
-    for k in w0:   # Adam's first step moves a weight by about lr (1e-3) whatever its gradient's size
-        torch.testing.assert_close(w1[k], w0[k], rtol=0, atol=2e-5)
+    (m0, w0), *shared = out
+    assert m0["shared_prefix_tokens"] == 0
+    for m1, w1 in shared:   # the prefix's activations kept, then recomputed for its backward
+        assert m1["shared_prefix_tokens"] == 70
+        assert m1["train_tokens"] == m0["train_tokens"] == 6 + 7 + 8
+        for key in ("loss", "grad_norm", "entropy", "is_weight_mean", "kl_k1"):
+            assert m1[key] == pytest.approx(m0[key], rel=1e-4, abs=1e-6)
+        for k in w0:   # Adam's first step moves a weight by about lr (1e-3) whatever its gradient's size
+            torch.testing.assert_close(w1[k], w0[k], rtol=0, atol=2e-5)
+
+
+def test_a_recomputed_prefix_holds_no_graph_until_its_backward(tiny_model_dir):
+    """`recompute_prefix`: while the continuations run, the prefix's keys and values come from a
+    forward without a graph (its activations are not held); its backward runs it again and gives
+    the gradients of the kept graph."""
+    from transformers import AutoModelForCausalLM
+
+    from atelier.distributed import PolicyHead
+
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    head = PolicyHead(lm)
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(5))
+    grads = []
+    for recompute in (False, True):
+        head.zero_grad(set_to_none=True)
+        prefix = head.encode_prefix(ids[:, :30], recompute=recompute)
+        assert all((k.grad_fn is None) == recompute for k, _ in prefix.kv)
+        logp, _ = head(ids[:, 30:], torch.ones(1, 10, dtype=torch.long), prefix=prefix)
+        logp.sum().backward()
+        prefix.backward()
+        grads.append({n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None})
+    kept, recomputed = grads
+    assert kept.keys() == recomputed.keys() and "model.layers.0.self_attn.k_proj.weight" in kept
+    for name in kept:
+        torch.testing.assert_close(recomputed[name], kept[name], rtol=1e-5, atol=1e-7)
 
 
 def test_shared_prefix_length_stops_before_the_first_trained_token():

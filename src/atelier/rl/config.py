@@ -107,6 +107,11 @@ class TrainerConfig(AtelierConfig):
     backward once per step instead of once per sample: the same step up to rounding, at 45% of the
     tokens and 1.67x the speed on the demo's rollouts (benchmarks/train.py --shared-prefix). One
     rank without activation checkpointing or a MoE router; elsewhere every sample runs whole."""
+    recompute_prefix: bool = True
+    """With share_prefix: run the shared prefix forward without keeping its activations, and again
+    for its backward at the end of the step (activation checkpointing of the prefix alone). The
+    same step, up to rounding; lowers the step's peak by the prefix's activations for one more
+    prefix forward (benchmarks/train.py --shared-prefix)."""
     logprob_chunk: int = Field(512, ge=1)
     """Tokens per chunk of the logprob/entropy computation, counted over the whole micro-batch
     (atelier.kernels.logprobs; memory: a few fp32 [chunk, V] blocks, whatever the micro-batch)."""

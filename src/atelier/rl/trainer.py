@@ -133,7 +133,7 @@ class Trainer:
                 prefix = ref_prefix = None
                 if prefix_len:
                     ids_1P = torch.tensor([prefix_ids], device=self.ranks.device)
-                    prefix = self.head.encode_prefix(ids_1P)
+                    prefix = self.head.encode_prefix(ids_1P, recompute=self.cfg.recompute_prefix)
                     if self.ref is not None:
                         with torch.no_grad():
                             ref_prefix = self.ref.encode_prefix(ids_1P)
