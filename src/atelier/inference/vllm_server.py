@@ -48,9 +48,9 @@ the same flags and environment (`server_command` prints them).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
-import shutil
 import subprocess
 import sys
 import tempfile
