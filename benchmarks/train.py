@@ -127,7 +127,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         worker(json.loads(Path(args.worker).read_text()))
-        return
+        from atelier.distributed import exit_rank
+
+        exit_rank(0)
 
     from atelier.launch import run_ranks
 

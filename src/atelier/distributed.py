@@ -11,7 +11,10 @@ functions and never branch on the number of ranks themselves:
   `timeout_s`: a rank that dies or hangs makes the others raise instead of
   waiting forever (PITFALLS: collectives with no timeout hung the job). With
   WORLD_SIZE unset or 1 nothing is initialised and the model is left
-  unwrapped: one rank is exactly the single-process trainer.
+  unwrapped: one rank is exactly the single-process trainer. A rank's whole
+  run sits inside `joined_ranks(...)`, which leaves the group when the run
+  returns, and a rank's process ends with `exit_rank(code)`, without the
+  interpreter's teardown, where gloo's threads can abort a finished rank.
 - `PolicyHead` wraps a Hugging Face causal LM so that one forward returns the
   per-token logprobs (and entropy) of the given ids, computed over chunks of
   C tokens (`atelier.kernels.logprobs`, its own checkpoint): the fp32
@@ -54,7 +57,7 @@ import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NoReturn
 
 import torch
 import torch.nn as nn
@@ -158,6 +161,41 @@ def close_ranks() -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def joined_ranks(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> Iterator[Ranks]:
+    """`init_ranks` for the length of a run; the group is left when the block returns.
+
+    PyTorch asks every process to leave (`destroy_process_group`) once its collectives are done.
+    Only a normal return leaves: after an exception another rank may be inside a collective, and
+    leaving would wait on it (torchtitan destroys the group on success only, for the same
+    reason); the launcher stops those ranks.
+    """
+    ranks = init_ranks(device, timeout_s)
+    yield ranks
+    close_ranks()
+
+
+def exit_rank(code: int) -> NoReturn:
+    """End a rank's process with `code`, skipping the interpreter's teardown (as
+    multiprocessing's children end): atexit handlers run and output is flushed first.
+
+    gloo's worker threads free each finished collective's tensors after the collective has
+    returned; one that does so once the interpreter is tearing down cannot take the GIL and
+    aborts the process ("terminate called without an active exception", SIGABRT), so a rank
+    that had finished its work read as failed: 5 of about 200 two-rank test runs here (gdb:
+    gloo's run-loop thread in `~AsyncAllgatherCoalescedWork`, the main thread in
+    `Py_FinalizeEx`). Leaving the group does not stop those threads: DTensor's caches keep the
+    group alive.
+    """
+    import atexit
+    import sys
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 # --- the model: chunked logprobs behind one forward -----------------------------

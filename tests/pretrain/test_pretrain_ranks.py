@@ -57,6 +57,36 @@ def test_two_ranks_stopped_and_resumed_repeat_the_one_rank_run(tmp_path, tiny_mo
     assert any(not torch.equal(v, w) for v, w in zip(a.values(), load_file(tiny_model_dir / "model.safetensors").values()))
 
 
+LEFT_PROBE = """
+import json, sys
+from pathlib import Path
+import torch.distributed as dist
+from atelier.pretrain.config import PretrainConfig
+from atelier.pretrain.train import run_pretrain
+
+run_pretrain(PretrainConfig.model_validate_json(Path(sys.argv[1]).read_text()), sys.argv[2])
+print(json.dumps({"still_joined": dist.is_initialized()}))
+"""
+
+
+def test_each_rank_leaves_the_group_when_its_run_returns(tmp_path, tiny_model_dir, code_root):
+    """PyTorch asks each rank to leave its process group once its collectives are done:
+    `run_pretrain` on 2 ranks returns with the group left, on both ranks."""
+    from atelier.launch import start_ranks
+
+    phases = [PhaseConfig(name="cpt", steps=1, seq_len=32, micro_batch=2, lr=1e-3)]
+    config = _config(tiny_model_dir, code_root, phases).model_copy(update={"ranks": 2})
+    (tmp_path / "config.json").write_text(config.model_dump_json())
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    procs = start_ranks(["-c", LEFT_PROBE, str(tmp_path / "config.json"), str(tmp_path / "run")], 2,
+                        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err.decode()[-3000:]
+        assert json.loads(out.decode().strip().splitlines()[-1]) == {"still_joined": False}
+
+
 def _run(*args: str, crash_at: str | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "ATELIER_CRASH_AT"}
     env.update(OMP_NUM_THREADS="1",

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from atelier import distributed as D
 from atelier.rl.config import TrainerConfig
 from atelier.rl.sample import Sample
 from atelier.rl.trainer import Trainer
@@ -36,9 +37,14 @@ def make_samples(seed: int, n: int, vocab: int, min_len: int = 6, max_len: int =
 
 
 def run(spec: dict, out: Path | None) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    with D.joined_ranks("cpu") as ranks:
+        return _run(spec, out, ranks)
+
+
+def _run(spec: dict, out: Path | None, ranks: D.Ranks) -> tuple[list[dict], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     cfg = TrainerConfig(**spec["trainer"])
-    trainer = Trainer(spec["model"], cfg, temperature=spec.get("temperature", 1.0))
+    trainer = Trainer(spec["model"], cfg, temperature=spec.get("temperature", 1.0), ranks=ranks)
     vocab = trainer.model.config.vocab_size
     metrics = []
     for step in range(spec.get("steps", 1)):
@@ -59,7 +65,6 @@ def run_sft(spec: dict, ranks) -> tuple[list[dict], dict[str, torch.Tensor]]:
     import numpy as np
     from transformers import AutoModelForCausalLM
 
-    from atelier import distributed as D
     from atelier.pretrain.batches import ExampleBatches
     from atelier.pretrain.config import PhaseConfig
     from atelier.pretrain.train import _train_step
@@ -83,3 +88,4 @@ def run_sft(spec: dict, ranks) -> tuple[list[dict], dict[str, torch.Tensor]]:
 
 if __name__ == "__main__":
     run(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]))
+    D.exit_rank(0)

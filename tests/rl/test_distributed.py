@@ -154,6 +154,41 @@ def test_two_ranks_take_the_one_rank_step(tiny_model_dir, tmp_path):
             assert float((v - state_two[part][k]).norm() / v.norm()) <= tol, (part, k)
 
 
+EXIT_PROBE = """
+import atexit, sys
+from pathlib import Path
+from atelier.distributed import exit_rank
+
+atexit.register(lambda: Path(sys.argv[1]).write_text("ran"))
+print("unflushed", end="")
+sys.stderr.write("also unflushed")
+
+class Teardown:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __del__(self, open=open):   # only the interpreter's teardown calls this
+        with open(self.marker, "w") as f:
+            f.write("teardown ran")
+
+kept = Teardown(sys.argv[1])
+exit_rank(3)
+"""
+
+
+def test_a_rank_ends_without_the_interpreter_teardown(tmp_path):
+    """`exit_rank` (how `atelier.cli.rank` ends): the code, every byte written, the atexit
+    handlers, and no teardown, where gloo's threads can abort a rank that finished its work."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "marker"
+    done = subprocess.run([sys.executable, "-c", EXIT_PROBE, str(marker)], env=rank_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (3, "unflushed", "also unflushed")
+    assert marker.read_text() == "ran"
+
+
 def test_a_rank_that_dies_stops_the_job_with_a_message(tmp_path):
     script = tmp_path / "die.py"
     script.write_text("import os, sys, time\n"

@@ -4,7 +4,7 @@ What `atelier train` / `atelier pretrain` start N times (atelier.launch) when
 the recipe asks for N ranks; the rank and the rendezvous come from
 torchrun's environment variables, so `torchrun --nproc-per-node N -m
 atelier.cli.rank ...` runs the same program. Rank 0 writes the run's result
-(a JSON object) to --result; every rank exits 0 on success.
+(a JSON object) to --result; every rank exits 0 on success (`exit_rank`).
 """
 
 from __future__ import annotations
@@ -65,4 +65,6 @@ def run_rank(kind: str, text: str, run_dir: str, *, resume: bool, quiet: bool) -
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from atelier.distributed import exit_rank
+
+    exit_rank(main())

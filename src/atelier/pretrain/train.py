@@ -68,19 +68,24 @@ class RunResult:
 def run_pretrain(config: PretrainConfig, run_dir: str | Path, *, resume: bool = False,
                  quiet: bool = True) -> RunResult:
     """Run (or resume) every phase of `config` in `run_dir`; return where the model is."""
-    # Long on purpose: ranks, resume and corpus set-up, then each phase's loop in commit order (batches,
+    from atelier import distributed as D
+
+    if D.env_world() != config.ranks and (D.env_world() > 1 or config.ranks > 1):
+        raise D.DistributedError(f"ranks = {config.ranks} but this process is one of {D.env_world()} rank(s)",
+                                 hint="let `atelier pretrain` start the ranks (it reads `ranks`), or give "
+                                      "torchrun --nproc-per-node equal to ranks")
+    with D.joined_ranks(config.device, config.timeout_s) as ranks:
+        return _run_phases(config, Path(run_dir), resume, quiet, ranks)
+
+
+def _run_phases(config: PretrainConfig, run_dir: Path, resume: bool, quiet: bool, ranks) -> RunResult:
+    # Long on purpose: resume and corpus set-up, then each phase's loop in commit order (batches,
     # step, metrics, checkpoint), as torchtitan's train loop reads; helpers hold each line's logic.
     import torch
 
     from atelier import distributed as D
     from atelier.pretrain.modeling import load_model_and_tokenizer, scale_rope_theta
 
-    run_dir = Path(run_dir)
-    if D.env_world() != config.ranks and (D.env_world() > 1 or config.ranks > 1):
-        raise D.DistributedError(f"ranks = {config.ranks} but this process is one of {D.env_world()} rank(s)",
-                                 hint="let `atelier pretrain` start the ranks (it reads `ranks`), or give "
-                                      "torchrun --nproc-per-node equal to ranks")
-    ranks = D.init_ranks(config.device, config.timeout_s)
     checkpoint = _prepare_run_dir(config, run_dir, resume, write=ranks.main)
     D.barrier(ranks)
     if config.threads:

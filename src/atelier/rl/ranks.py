@@ -104,18 +104,15 @@ class LeadTrainer:
 
 @contextmanager
 def join_ranks(config) -> Iterator[tuple[D.Ranks, Commands | None]]:
-    """This process's rank (and, with N ranks, the command group); leaves the group on exit."""
+    """This process's rank (and, with N ranks, the command group); leaves the group when the run returns."""
     world, wanted = D.env_world(), config.trainer.ranks
     if world != wanted and (world > 1 or wanted > 1):
         raise D.DistributedError(
             f"trainer.ranks = {wanted} but this process is one of {world} rank(s)",
             hint="let `atelier train` start the ranks (it reads trainer.ranks), or give torchrun "
                  "--nproc-per-node equal to trainer.ranks")
-    ranks = D.init_ranks(config.trainer.device, config.trainer.timeout_s)
-    try:
+    with D.joined_ranks(config.trainer.device, config.trainer.timeout_s) as ranks:
         yield ranks, (Commands(ranks) if ranks.sharded else None)
-    finally:
-        D.close_ranks()
 
 
 def lead(make_trainer, model_path: Path, ckpt: Path | None, commands: Commands) -> LeadTrainer:
