@@ -21,7 +21,12 @@ One process is never counted twice: a child created by vfork (Python's
 subprocess uses it where it can) runs in its parent's memory until it execs,
 and /proc shows that memory under both pids, so a sample taken in that window
 would count a stage's whole model again. A child whose memory is its
-parent's (`kcmp(KCMP_VM)`) is skipped.
+parent's (`kcmp(KCMP_VM)`) is skipped, and each process's two figures come
+from one read of its smaps_rollup, never from page counts read earlier: a
+child that read as its parent's memory and then exec'd or exited in between
+was counted as a second copy of it (a training stage starting sandboxes
+recorded an 11.65 GB peak while it held about 6). A process that has ended
+counts nothing.
 
 A spike shorter than the interval can be missed. Off Linux (no /proc) both
 are None.
@@ -97,23 +102,40 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
-def same_memory(pid: int, other: int) -> bool:
+def same_memory(pid: int, other: int) -> bool | None:
     """Whether two processes run in one address space (a vfork child before
-    it execs); False where the kernel cannot say (no kcmp, no permission)."""
+    it execs); None where the kernel cannot say (no kcmp, no permission)."""
     libc = _libc() if _KCMP is not None else None
-    return libc is not None and libc.syscall(_KCMP, pid, other, _KCMP_VM, 0, 0) == 0
+    if libc is None:
+        return None
+    answer = libc.syscall(_KCMP, pid, other, _KCMP_VM, 0, 0)
+    return None if answer < 0 else answer == 0
 
 
-def process_pss(pid: int, proc: Path = PROC) -> int | None:
-    """Proportional set size of `pid` in bytes; None where smaps_rollup cannot be read."""
+def _runs_in_parents_memory(pid: int, parent: int, statm: Mapping[int, tuple[int, ...]]) -> bool:
+    same = same_memory(pid, parent)
+    if same is None:   # no kcmp: equal page counts are the only sign left
+        return statm.get(pid) == statm.get(parent)
+    return same
+
+
+def process_memory(pid: int, proc: Path = PROC) -> TreeSample | None:
+    """RSS and PSS of `pid` in bytes, from one read of smaps_rollup; None where it cannot
+    be read; ProcessLookupError when the process has ended."""
     try:
         text = (proc / str(pid) / "smaps_rollup").read_text()
+    except (FileNotFoundError, ProcessLookupError) as exc:   # ESRCH: exiting, its memory already gone
+        raise ProcessLookupError(pid) from exc
     except OSError:
         return None
+    kib = {}
     for line in text.splitlines():
-        if line.startswith("Pss:"):
-            return int(line.split()[1]) * 1024
-    return None
+        key, _, rest = line.partition(":")
+        if key in ("Rss", "Pss"):
+            kib[key] = int(rest.split()[0])
+    if len(kib) < 2:
+        return None
+    return TreeSample(rss=kib["Rss"] * 1024, pss=kib["Pss"] * 1024)
 
 
 def tree_memory(root: int, proc: Path = PROC) -> TreeSample | None:
@@ -125,12 +147,16 @@ def tree_memory(root: int, proc: Path = PROC) -> TreeSample | None:
     total_rss = total_pss = 0
     for pid in tree_pids(parents, root):
         fields, parent = statm.get(pid), parents.get(pid)
-        if not fields or (parent in statm and statm[parent] == fields and same_memory(pid, parent)):
+        if not fields or (parent in statm and _runs_in_parents_memory(pid, parent, statm)):
             continue  # gone, or its parent's memory seen through a vfork child
-        resident = fields[1] * page
-        pss = process_pss(pid, proc) if resident else 0
-        total_rss += resident
-        total_pss += resident if pss is None else pss
+        try:
+            own = process_memory(pid, proc) if fields[1] else TreeSample(0, 0)
+        except ProcessLookupError:
+            continue  # its page counts may have been a vfork child's view of its parent
+        if own is None:
+            own = TreeSample(fields[1] * page, fields[1] * page)
+        total_rss += own.rss
+        total_pss += own.pss
     return TreeSample(rss=total_rss, pss=total_pss)
 
 
