@@ -252,3 +252,26 @@ def test_a_run_that_fills_the_disk_stops_with_the_fix_and_resumes_once_there_is_
     assert not summary["stopped"] and summary["global_step"] == 8
     steps = [r["step"] for r in records if "loss" in r]
     assert steps == sorted(set(steps)) and len(steps) == 8, steps   # every step once: none lost, none twice
+
+
+def test_a_killed_owners_temp_dir_is_removed_by_the_next_one(tmp_path: Path) -> None:
+    """A process killed before it cleans up leaves its scratch directory (a vLLM engine's
+    weight updates, 269 MB each for the demo's model); the next `owned_temp_dir` of that
+    prefix removes it, and keeps one whose owner runs and one that records no owner."""
+    from atelier.fsio import OWNER_FILE, owned_temp_dir
+
+    program = ("import os, sys, signal\nfrom atelier.fsio import owned_temp_dir\n"
+               "d = owned_temp_dir('scratch-', sys.argv[1])\n(d / 'weights').write_bytes(b'0' * 4096)\n"
+               "print(d, flush=True)\nos.kill(os.getpid(), signal.SIGKILL)")
+    killed = subprocess.run([sys.executable, "-c", program, str(tmp_path)], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")})
+    assert killed.returncode == -9
+    left = Path(killed.stdout.strip())
+    assert (left / "weights").exists()
+    live = owned_temp_dir("scratch-", tmp_path)
+    foreign = tmp_path / "scratch-not-ours"
+    foreign.mkdir()
+    mine = owned_temp_dir("scratch-", tmp_path)
+    assert not left.exists()
+    assert live.is_dir() and foreign.is_dir() and mine.is_dir() and live != mine
+    assert (mine / OWNER_FILE).read_text().split()[0] == str(os.getpid())

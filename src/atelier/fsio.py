@@ -31,6 +31,10 @@ its commit point. The tools:
   path, the free space and the fix, instead of the writer's own error (for
   torch's checkpoint writer, an "unexpected pos" traceback). `atomic_write`
   and `atomic_dir` use it, so every checkpoint, model and record does.
+- `owned_temp_dir(prefix)`: a scratch directory in the system's temporary
+  directory that records the process that made it; making one first removes
+  those of the same prefix whose process has ended, which a process killed
+  before it could clean up leaves behind (a vLLM engine's weight updates).
 """
 
 from __future__ import annotations
@@ -247,3 +251,44 @@ def parse_crash_at(value: str) -> tuple[str, int, int | None] | None:
     if count and (not count.isdigit() or int(count) < 1):
         raise ValueError(f"{CRASH_ENV}={value!r}: expected name, name:n or name:n@rank with n >= 1")
     return name, int(count) if count else 1, int(rank) if at else None
+
+
+OWNER_FILE = ".atelier-owner"
+"""In an `owned_temp_dir`: the pid and start time of the process that made it."""
+
+
+def _process_start(pid: int) -> str | None:
+    """The start time of `pid` (clock ticks since boot; an identity that survives pid reuse),
+    "" where /proc cannot tell, None when no such process runs."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat[stat.rindex(")") + 2:].split()[19]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    return ""
+
+
+def owned_temp_dir(prefix: str, parent: str | os.PathLike | None = None) -> Path:
+    """A new directory `<tmp>/<prefix>XXXX` recording this process as its owner; first removes
+    each `<prefix>*` directory whose recorded owner has ended (a directory recording none
+    is not ours and stays)."""
+    base = Path(parent or tempfile.gettempdir())
+    for old in base.glob(f"{prefix}*"):
+        try:
+            pid, start = (old / OWNER_FILE).read_text().split()
+        except (OSError, ValueError):
+            continue
+        now = _process_start(int(pid))
+        if now is None or (now and now != start):   # ended, or the pid now names another process
+            shutil.rmtree(old, ignore_errors=True)
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+    (path / OWNER_FILE).write_text(f"{os.getpid()} {_process_start(os.getpid()) or 0}\n")
+    return path

@@ -88,7 +88,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -96,13 +95,14 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from atelier.errors import AtelierError, InfraError
-from atelier.fsio import told_when_disk_full
+from atelier.fsio import owned_temp_dir, told_when_disk_full
 from atelier.inference.types import Generation, SamplingParams
 from atelier.inference.vllm_server import VLLMConfig, VLLMServer, VLLMUnavailable
 
 FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
          "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
 TIED_HEAD = "lm_head.weight"
+WORK_DIR_PREFIX = "atelier-vllm-work-"
 
 
 class VLLMEngineError(AtelierError):
@@ -224,7 +224,8 @@ class VLLMEngine:
     `VLLMEngine(model_path, config, version=0, name=None, work_dir=None)`:
     `model_path` is the Hugging Face directory the server starts from (and
     the tokenizer's); `work_dir` holds weight updates and the server log (a
-    temporary directory when None). Use as a context manager or `close()`.
+    temporary directory when None, removed by the next engine if this process
+    is killed first). Use as a context manager or `close()`.
     """
 
     def __init__(self, model_path: str | Path, config: VLLMConfig | None = None, *, version: int = 0,
@@ -246,7 +247,8 @@ class VLLMEngine:
         eos = self.tokenizer.eos_token_id
         self._eos = [] if eos is None else [int(eos)]
         self._own_dir = work_dir is None
-        self.work_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="atelier-vllm-"))
+        # Our own: removed by close(), or by the next engine's if this process is killed first.
+        self.work_dir = Path(work_dir) if work_dir else owned_temp_dir(WORK_DIR_PREFIX)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._fence = _Fence(version)
         self._current: dict[str, Any] | None = None   # HF-named weights the server holds now (lazy)
