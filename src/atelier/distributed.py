@@ -13,7 +13,7 @@ functions and never branch on the number of ranks themselves:
   WORLD_SIZE unset or 1 nothing is initialised and the model is left
   unwrapped: one rank is exactly the single-process trainer. A rank's whole
   run sits inside `joined_ranks(...)`, which leaves the group when the run
-  returns, and a rank's process ends with `exit_rank(code)`, without the
+  ends, and a rank's process ends with `exit_rank(code)`, without the
   interpreter's teardown, where gloo's threads can abort a finished rank.
 - `PolicyHead` wraps a Hugging Face causal LM so that one forward returns the
   per-token logprobs (and entropy) of the given ids, computed over chunks of
@@ -165,16 +165,14 @@ def close_ranks() -> None:
 
 @contextlib.contextmanager
 def joined_ranks(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> Iterator[Ranks]:
-    """`init_ranks` for the length of a run; the group is left when the block returns.
-
-    PyTorch asks every process to leave (`destroy_process_group`) once its collectives are done.
-    Only a normal return leaves: after an exception another rank may be inside a collective, and
-    leaving would wait on it (torchtitan destroys the group on success only, for the same
-    reason); the launcher stops those ranks.
-    """
+    """`init_ranks` for the length of a run; the group is left when the block ends, as
+    PyTorch asks of every process once its collectives are done (so a process that runs
+    again, a Ray actor, joins a new group instead of finding a finished one)."""
     ranks = init_ranks(device, timeout_s)
-    yield ranks
-    close_ranks()
+    try:
+        yield ranks
+    finally:
+        close_ranks()
 
 
 def exit_rank(code: int) -> NoReturn:

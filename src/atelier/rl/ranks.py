@@ -104,7 +104,7 @@ class LeadTrainer:
 
 @contextmanager
 def join_ranks(config) -> Iterator[tuple[D.Ranks, Commands | None]]:
-    """This process's rank (and, with N ranks, the command group); leaves the group when the run returns."""
+    """This process's rank (and, with N ranks, the command group); leaves the group when the run ends."""
     world, wanted = D.env_world(), config.trainer.ranks
     if world != wanted and (world > 1 or wanted > 1):
         raise D.DistributedError(
