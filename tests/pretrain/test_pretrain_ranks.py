@@ -61,11 +61,13 @@ LEFT_PROBE = """
 import json, sys
 from pathlib import Path
 import torch.distributed as dist
+from atelier.distributed import exit_rank
 from atelier.pretrain.config import PretrainConfig
 from atelier.pretrain.train import run_pretrain
 
 run_pretrain(PretrainConfig.model_validate_json(Path(sys.argv[1]).read_text()), sys.argv[2])
 print(json.dumps({"still_joined": dist.is_initialized()}))
+exit_rank(0)   # as every rank process ends: see exit_rank
 """
 
 
