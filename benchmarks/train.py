@@ -97,6 +97,7 @@ def worker(spec: dict) -> None:
         Path(spec["out"]).write_text(json.dumps({
             "ranks": trainer.ranks.world, "precision": trainer.precision, "device": device,
             "share_prefix": spec["prefix"] != "whole", "prefix": spec["prefix"],
+            "activation_checkpointing": spec["activation_checkpointing"],
             "threads_per_rank": spec["threads"], "step_s": round(step_s, 3),
             "tokens_per_s": round(tokens / step_s, 1), "matmul_gflops_all_ranks": round(rates, 1),
             "achieved_gflops": round(achieved, 1), "mfu": round(achieved / rates, 4),
@@ -116,7 +117,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--activation-checkpointing", nargs="?", const="on", default="off", choices=["off", "on", "both"],
+                        help="rl.trainer.activation_checkpointing; both: each configuration without and with it")
     parser.add_argument("--logprob-chunk", type=int, default=512, help="tokens per logprob-head block (rl.trainer.logprob_chunk)")
     parser.add_argument("--shared-prefix", type=int, default=0,
                         help="tokens every sample begins with (a system prompt); >0 also times rl.trainer.share_prefix "
@@ -138,12 +140,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="atelier-bench-train-") as tmp:
         model = args.model or str(build_model(Path(tmp) / "model"))
         prefixes = ("whole", "shared", "kept") if args.shared_prefix else ("shared",)
-        for world, precision, prefix in ((w, p, m) for w in args.ranks for p in args.precisions for m in prefixes):
-            name = f"{world}-{precision}-{prefix}"
+        checkpointing = {"off": (False,), "on": (True,), "both": (False, True)}[args.activation_checkpointing]
+        for world, precision, prefix, ckpt in ((w, p, m, c) for w in args.ranks for p in args.precisions
+                                               for m in prefixes for c in checkpointing):
+            if ckpt and prefix == "kept":   # the trainer keeps a checkpointed prefix anyway
+                continue
+            name = f"{world}-{precision}-{prefix}-{'ckpt' if ckpt else 'full'}"
             spec = {"model": model, "seq_len": args.seq_len, "batch": args.batch,
                     "micro_batch": args.micro_batch, "precision": precision, "device": args.device,
                     "threads": max(1, threads // world), "steps": args.steps, "warmup": args.warmup,
-                    "activation_checkpointing": args.activation_checkpointing,
+                    "activation_checkpointing": ckpt,
                     "logprob_chunk": args.logprob_chunk, "prefix": prefix,
                     "shared_prefix": args.shared_prefix, "trained": args.trained,
                     "out": str(Path(tmp) / f"r{name}.json")}
@@ -152,26 +158,33 @@ def main() -> None:
             env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"])}
             run_ranks([__file__, "--worker", str(path)], world, env=env, what="benchmark")
             results.append(json.loads(Path(spec["out"]).read_text()))
-    by = {(r["ranks"], r["precision"]): r for r in results if r["prefix"] == "shared"}
+    by = {(r["ranks"], r["precision"], r["activation_checkpointing"]): r for r in results if r["prefix"] == "shared"}
     ratios = {}
     for other in (r for r in results if r["prefix"] != "shared"):   # the same samples, run whole or prefix kept
-        shared = by[(other["ranks"], other["precision"])]
-        where = f"{other['ranks']}_ranks_{other['precision']}"
+        shared = by[(other["ranks"], other["precision"], other["activation_checkpointing"])]
+        where = f"{other['ranks']}_ranks_{other['precision']}" + ("_checkpointed" if other["activation_checkpointing"] else "")
         if other["prefix"] == "whole":
             ratios[f"shared_prefix_speedup_{where}"] = round(other["step_s"] / shared["step_s"], 2)
         else:
             ratios[f"prefix_recompute_step_time_{where}"] = round(shared["step_s"] / other["step_s"], 2)
             ratios[f"prefix_recompute_peak_rss_{where}"] = round(
                 shared["peak_rss_gb_max_rank"] / other["peak_rss_gb_max_rank"], 2)
+    ckpt = checkpointing[0]   # the comparisons below, without checkpointing when both were run
     for world in args.ranks:
-        if (world, "fp32") in by and (world, "bf16") in by:
+        if (world, "fp32", ckpt) in by and (world, "bf16", ckpt) in by:
             ratios[f"bf16_over_fp32_tokens_per_s_{world}_ranks"] = round(
-                by[(world, "bf16")]["tokens_per_s"] / by[(world, "fp32")]["tokens_per_s"], 2)
+                by[(world, "bf16", ckpt)]["tokens_per_s"] / by[(world, "fp32", ckpt)]["tokens_per_s"], 2)
     for precision in args.precisions:
-        if len(args.ranks) > 1 and all((w, precision) in by for w in args.ranks):
+        if len(args.ranks) > 1 and all((w, precision, ckpt) in by for w in args.ranks):
             lo, hi = min(args.ranks), max(args.ranks)
             ratios[f"{hi}_over_{lo}_ranks_tokens_per_s_{precision}"] = round(
-                by[(hi, precision)]["tokens_per_s"] / by[(lo, precision)]["tokens_per_s"], 2)
+                by[(hi, precision, ckpt)]["tokens_per_s"] / by[(lo, precision, ckpt)]["tokens_per_s"], 2)
+    for (world, precision, on), checkpointed in by.items():   # per-layer checkpointing against none
+        if on and (world, precision, False) in by:
+            full, where = by[(world, precision, False)], f"{world}_ranks_{precision}"
+            ratios[f"checkpointing_step_time_{where}"] = round(checkpointed["step_s"] / full["step_s"], 2)
+            ratios[f"checkpointing_peak_rss_{where}"] = round(
+                checkpointed["peak_rss_gb_max_rank"] / full["peak_rss_gb_max_rank"], 2)
     print(json.dumps({"benchmark": "train", "model": args.model or "SmolLM2-135M shapes, random weights",
                       "seq_len": args.seq_len, "batch": args.batch, "micro_batch": args.micro_batch,
                       "shared_prefix": args.shared_prefix, "trained": args.trained,

@@ -241,7 +241,9 @@ class PolicyHead(nn.Module):
         else:
             B = ids_BT.shape[0]
             attn_BT = torch.cat([attn_BT.new_ones(B, prefix.length), attn_BT], dim=1)
-            hidden_BTH = base(input_ids=ids_BT, attention_mask=attn_BT, use_cache=True,
+            # use_cache=False: the prefix's cache is read, not grown, and nothing is returned to reuse
+            # (with True, transformers warns on every checkpointed forward, then sets it False)
+            hidden_BTH = base(input_ids=ids_BT, attention_mask=attn_BT, use_cache=False,
                               **{_cache_keyword(type(base)): prefix.cache(B)}).last_hidden_state
         return chunked_token_logprobs(hidden_BTH, self.lm.get_output_embeddings(), ids_BT, temperature,
                                       want_entropy, self.chunk)
@@ -257,15 +259,15 @@ class PolicyHead(nn.Module):
         the layer's output, and a prefix's gradient reaches its layers through their keys and
         values instead (the trainer shares prefixes on one rank only).
         """
-        from transformers import DynamicCache
+        from atelier.prefix_cache import PrefixCache
 
         base = decoder_of(self.lm)
 
         def keys_and_values() -> list[tuple[torch.Tensor, torch.Tensor]]:
-            cache = DynamicCache(config=self.lm.config)
-            base(input_ids=ids_1P, attention_mask=torch.ones_like(ids_1P), use_cache=True,
+            cache = PrefixCache(self.lm.config, keep=True)
+            base(input_ids=ids_1P, attention_mask=torch.ones_like(ids_1P), use_cache=False,
                  **{_cache_keyword(type(base)): cache})
-            return [(layer.keys, layer.values) for layer in cache.layers]
+            return cache.kept_keys_and_values()
 
         if not (recompute and torch.is_grad_enabled()):
             return SharedPrefix(ids_1P.shape[1], keys_and_values(), self.lm.config)
@@ -327,11 +329,11 @@ class SharedPrefix:
                        for pair in kv]
 
     def cache(self, batch: int):
-        """A fresh cache over the leaves for `batch` continuations (each forward appends to its own)."""
-        from transformers import DynamicCache
+        """A cache over the leaves for `batch` continuations, which they read and never grow (so a
+        checkpointed layer can be recomputed: `atelier.prefix_cache`)."""
+        from atelier.prefix_cache import PrefixCache
 
-        return DynamicCache(ddp_cache_data=[tuple(t.expand(batch, -1, -1, -1) for t in pair) for pair in self.leaves],
-                            config=self.config)
+        return PrefixCache(self.config, [tuple(t.expand(batch, -1, -1, -1) for t in pair) for pair in self.leaves])
 
     def backward(self) -> None:
         if not any(leaf.grad is not None for pair in self.leaves for leaf in pair):
@@ -391,6 +393,10 @@ def shard(head: PolicyHead, ranks: Ranks, precision: str, *, activation_checkpoi
             lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        for layer in decoder_layers(lm):
+            # The only caches a policy's forward is given are PrefixCaches, which are read, never
+            # grown: transformers may keep them under checkpointing (else it drops the shared prefix)
+            layer._can_checkpoint_with_cache = True
     if not ranks.sharded:
         return head.to(ranks.device)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

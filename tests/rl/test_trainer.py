@@ -136,14 +136,16 @@ def test_a_shared_prefix_runs_once_and_takes_the_same_step(tiny_model_dir, kl_be
         samples.append(Sample(prompt + own + sampled, [0] * n + [1] * len(sampled), [0.0] * n + [-3.0] * len(sampled),
                               [-1] * n + [0] * len(sampled), adv, "g", "t"))
     out = []
-    for share, recompute in ((False, False), (True, False), (True, True)):
+    # the prefix's activations kept, then recomputed for its backward, then every layer checkpointed too
+    for share, recompute, checkpointing in ((False, False, False), (True, False, False), (True, True, False),
+                                            (True, True, True)):
         trainer = Trainer(tiny_model_dir, TrainerConfig(precision="fp32", norm_tokens=16.0, lr=1e-3, micro_batch=2,
                                                         share_prefix=share, recompute_prefix=recompute,
-                                                        kl_beta=kl_beta))
+                                                        activation_checkpointing=checkpointing, kl_beta=kl_beta))
         out.append((trainer.train_step(samples), trainer.model.state_dict()))
     (m0, w0), *shared = out
     assert m0["shared_prefix_tokens"] == 0
-    for m1, w1 in shared:   # the prefix's activations kept, then recomputed for its backward
+    for m1, w1 in shared:
         assert m1["shared_prefix_tokens"] == 70
         assert m1["train_tokens"] == m0["train_tokens"] == 6 + 7 + 8
         for key in ("loss", "grad_norm", "entropy", "is_weight_mean", "kl_k1"):

@@ -91,7 +91,9 @@ class TrainerConfig(AtelierConfig):
     it, fp32 on the CPU, where the built-in sampler computes in fp32 and bf16 training would add a
     sampler/trainer mismatch that the importance weights then absorb."""
     activation_checkpointing: bool = False
-    """Recompute each decoder layer in the backward instead of keeping its activations."""
+    """Recompute each decoder layer in the backward instead of keeping its activations (with
+    share_prefix too: the continuations read the prefix's keys and values from a cache that a
+    recompute cannot grow, atelier.prefix_cache)."""
     moe_precision: Literal["bf16", "mxfp8", "nvfp4_fwd_mxfp8_bwd"] = "bf16"
     """Expert matmuls of a mixture-of-experts model (atelier.kernels): "bf16" leaves them in the
     model's dtype; "mxfp8" runs forward and backward in MXFP8; "nvfp4_fwd_mxfp8_bwd" the forward
@@ -106,12 +108,13 @@ class TrainerConfig(AtelierConfig):
     """Run the tokens every sample of a step begins with (the harness's system prompt) forward and
     backward once per step instead of once per sample: the same step up to rounding, at 45% of the
     tokens and 1.67x the speed on the demo's rollouts (benchmarks/train.py --shared-prefix). One
-    rank without activation checkpointing or a MoE router; elsewhere every sample runs whole."""
+    rank without a MoE router; elsewhere every sample runs whole."""
     recompute_prefix: bool = True
     """With share_prefix: run the shared prefix forward without keeping its activations, and again
     for its backward at the end of the step (activation checkpointing of the prefix alone). The
     same step, up to rounding; lowers the step's peak by the prefix's activations for one more
-    prefix forward (benchmarks/train.py --shared-prefix)."""
+    prefix forward (benchmarks/train.py --shared-prefix). Not with activation_checkpointing, under
+    which the prefix's graph holds only its layers' inputs."""
     logprob_chunk: int = Field(512, ge=1)
     """Tokens per chunk of the logprob/entropy computation, counted over the whole micro-batch
     (atelier.kernels.logprobs; memory: a few fp32 [chunk, V] blocks, whatever the micro-batch)."""

@@ -133,7 +133,10 @@ class Trainer:
                 prefix = ref_prefix = None
                 if prefix_len:
                     ids_1P = torch.tensor([prefix_ids], device=self.ranks.device)
-                    prefix = self.head.encode_prefix(ids_1P, recompute=self.cfg.recompute_prefix)
+                    # with every layer checkpointed, the prefix's graph holds only its layers' inputs:
+                    # recomputing it whole as well would only add a forward
+                    prefix = self.head.encode_prefix(ids_1P, recompute=self.cfg.recompute_prefix
+                                                     and not self.cfg.activation_checkpointing)
                     if self.ref is not None:
                         with torch.no_grad():
                             ref_prefix = self.ref.encode_prefix(ids_1P)
@@ -200,8 +203,7 @@ class Trainer:
 
     def _shared_prefix_length(self, samples: list[Sample]) -> int:
         """Tokens of this step to run once for all samples (`trainer.share_prefix`); 0: none."""
-        if not self.cfg.share_prefix or self.ranks.sharded or self.cfg.activation_checkpointing \
-                or self.routing is not None:
+        if not self.cfg.share_prefix or self.ranks.sharded or self.routing is not None:
             return 0
         return D.shared_prefix_length([s.token_ids for s in samples], [s.loss_mask for s in samples])
 
