@@ -275,3 +275,13 @@ def test_a_killed_owners_temp_dir_is_removed_by_the_next_one(tmp_path: Path) -> 
     assert not left.exists()
     assert live.is_dir() and foreign.is_dir() and mine.is_dir() and live != mine
     assert (mine / OWNER_FILE).read_text().split()[0] == str(os.getpid())
+
+
+def test_proc_stat_fields_start_after_a_command_name_with_spaces_and_parentheses():
+    from atelier.fsio import proc_stat_fields
+
+    stat = "4242 (a (b) c) S 17 4242 4242 0 -1 4194560 " + " ".join(str(i) for i in range(10, 53))
+    fields = proc_stat_fields(stat)
+    assert fields[0] == "S" and fields[1] == "17"   # state, parent pid
+    assert fields[19] == "22"                        # start time, field 22 of proc(5)
+    assert proc_stat_fields(Path("/proc/self/stat").read_text())[1] == str(os.getppid())

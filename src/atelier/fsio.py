@@ -257,12 +257,18 @@ OWNER_FILE = ".atelier-owner"
 """In an `owned_temp_dir`: the pid and start time of the process that made it."""
 
 
+def proc_stat_fields(stat: str) -> list[str]:
+    """The fields of a /proc/PID/stat text after the command name, which may hold spaces and
+    parentheses (so they start after the last ')'): index 0 is proc(5)'s field 3, the state."""
+    return stat[stat.rindex(")") + 2:].split()
+
+
 def _process_start(pid: int) -> str | None:
     """The start time of `pid` (clock ticks since boot; an identity that survives pid reuse),
     "" where /proc cannot tell, None when no such process runs."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat[stat.rindex(")") + 2:].split()[19]
+        return proc_stat_fields(stat)[19]
     except FileNotFoundError:
         return None
     except (OSError, ValueError, IndexError):

@@ -43,6 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from atelier.fsio import proc_stat_fields
+
 PROC = Path("/proc")
 PEAK_KEYS = ("peak_pss_mb", "peak_rss_mb")
 """How `stages.json` and `summary.json` name the two peaks, in MiB."""
@@ -84,8 +86,7 @@ def _read_procs(proc: Path = PROC) -> tuple[dict[int, int], dict[int, tuple[int,
         except OSError:  # it ended while we looked
             continue
         pid = int(entry.name)
-        # Fields after the command name (which may hold spaces) start at the last ')'.
-        parents[pid] = int(stat[stat.rindex(")") + 2:].split()[1])
+        parents[pid] = int(proc_stat_fields(stat)[1])
         statm[pid] = fields
     return parents, statm
 
