@@ -3,7 +3,7 @@
 A fork copies its parent's upper layer (only what changed) into a directory on
 the host; that copy becomes a read-only lower layer of the child and, through
 further forks, of its descendants. A layer is deleted when the last sandbox
-using it closes.
+using it closes; one left by a killed process is deleted by the next copy.
 """
 
 from __future__ import annotations
@@ -12,16 +12,20 @@ import contextlib
 import os
 import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 from typing import Iterator
 
+from atelier.fsio import owned_temp_dir
 from atelier.sandbox.base import SandboxError
 from atelier.sandbox.hostfs import runtime_dir
 
 
 class Layer:
+    """`path` holds the layer's files; its parent, `layer-XXXX` in the runtime directory, also
+    records the owning process, beside the files because a record among them would show in
+    every sandbox over the layer."""
+
     def __init__(self, path: Path) -> None:
         self.path = path
         self._refs = 1
@@ -29,13 +33,14 @@ class Layer:
 
     @classmethod
     def copy_of(cls, source: str) -> "Layer":
-        dest = Path(tempfile.mkdtemp(prefix="layer-", dir=runtime_dir()))
+        holder = owned_temp_dir("layer-", runtime_dir())
+        dest = holder / "files"
         # cp -a keeps what overlayfs needs: whiteouts (0:0 devices), opaque
         # xattrs, modes and symlinks as symlinks.
         res = subprocess.run(["cp", "-a", "--", f"{source}/.", str(dest)],
                              capture_output=True, text=True)
         if res.returncode != 0:
-            shutil.rmtree(dest, ignore_errors=True)
+            shutil.rmtree(holder, ignore_errors=True)
             raise SandboxError(f"could not copy the sandbox's files for fork: {res.stderr.strip()}")
         return cls(dest)
 
@@ -48,7 +53,7 @@ class Layer:
             self._refs -= 1
             done = self._refs == 0
         if done:
-            shutil.rmtree(self.path, ignore_errors=True)
+            shutil.rmtree(self.path.parent, ignore_errors=True)
 
     @contextlib.contextmanager
     def open(self) -> Iterator[int]:
