@@ -102,6 +102,26 @@ def test_activation_checkpointing_takes_the_same_step(tiny_model_dir):
         torch.testing.assert_close(w1[k], w0[k], rtol=1e-5, atol=1e-6)
 
 
+def test_adam_eps_turns_sign_descent_into_a_step_along_the_gradient(tiny_model_dir):
+    """With AdamW's default eps a first step moves every weight whose gradient is not zero by
+    about the learning rate, large gradient or small; with eps far above the gradients it moves
+    each by lr * gradient / eps, so the step follows the gradient's direction and scale."""
+    g = torch.Generator().manual_seed(4)
+    samples = [Sample(torch.randint(0, 256, (9,), generator=g).tolist(), [0] + [1] * 8, [0.0] + [-3.0] * 8,
+                      [-1] + [0] * 8, adv, "g", "t") for adv in (1.0, -1.0)]
+    moves = {}
+    for eps in (1e-8, 1.0):
+        trainer = Trainer(tiny_model_dir, TrainerConfig(precision="fp32", norm_tokens=16.0, lr=1e-3, eps=eps))
+        before = torch.cat([p.detach().flatten().clone() for p in trainer.model.parameters()])
+        trainer.train_step(samples)
+        after = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+        moved = (after - before).abs()
+        moves[eps] = moved[moved > 0]
+    sign_like, along_gradient = moves[1e-8], moves[1.0]
+    assert sign_like.median() > 0.9e-3 and sign_like.max() < 1.1e-3
+    assert along_gradient.median() < 1e-2 * 1e-3     # clipped gradients are far below 1
+
+
 def test_zero_advantage_samples_are_not_run_and_change_nothing(tiny_model_dir):
     """With kl_beta = 0 a zero-advantage sample adds nothing to the gradient: the step is the
     same without it, and it is counted, not trained (with kl_beta > 0 it is trained)."""

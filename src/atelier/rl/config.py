@@ -64,6 +64,11 @@ class TrainerConfig(AtelierConfig):
     lr: float = Field(1e-5, gt=0)
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    """AdamW's epsilon. Where a weight's gradient is far above it, an update moves that weight by
+    about the learning rate whatever the gradient's size (sign descent: in a short run every
+    weight moves alike); where far below, by lr * gradient / eps (plain SGD at lr / eps), so
+    weights with small, noisy gradients barely move."""
     max_grad_norm: float = Field(1.0, gt=0)
     is_cap: float = Field(2.0, gt=0)
     """C in the truncated importance weight min(pi/mu, C)."""
