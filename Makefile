@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --constraint constraints.txt
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-all bench experiment-cpt system-deps vllm-env clean
+.PHONY: demo test test-all bench experiment-cpt sandbox-deps test-deps vllm-env clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,30 +38,40 @@ $(VLLM_STAMP): constraints.txt
 vllm-env: $(VLLM_STAMP)
 
 # bubblewrap provides the sandboxes; chromium renders the HTML report in its
-# test. Installed with apt when missing and we are root; otherwise we say how
-# to get them (the tests that need them then skip, saying why).
-SYSTEM_PACKAGES := bwrap:bubblewrap chromium:chromium
-system-deps:
-	@missing=""; for pair in $(SYSTEM_PACKAGES); do \
-	  command -v "$${pair%%:*}" >/dev/null 2>&1 || missing="$$missing $${pair#*:}"; done; \
-	if [ -n "$$missing" ]; then \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
-	      || echo "warning: could not install:$$missing"; \
-	  else \
-	    echo "note: missing system packages:$$missing (Debian/Ubuntu: sudo apt-get install$$missing)"; \
-	  fi; fi
+# test, so only the test targets ask for it (its apt install took 22 s here
+# with its packages already downloaded: time the demo's budget does not have). Installed with apt when missing
+# and we are root; otherwise we say how to get them (the tests that need them
+# then skip, saying why). $(1): command:package pairs.
+define install_missing
+@missing=""; for pair in $(1); do \
+  command -v "$${pair%%:*}" >/dev/null 2>&1 || missing="$$missing $${pair#*:}"; done; \
+if [ -n "$$missing" ]; then \
+  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
+      || echo "warning: could not install:$$missing"; \
+  else \
+    echo "note: missing system packages:$$missing (Debian/Ubuntu: sudo apt-get install$$missing)"; \
+  fi; fi
+endef
+SANDBOX_PACKAGES := bwrap:bubblewrap
+TEST_PACKAGES    := $(SANDBOX_PACKAGES) chromium:chromium
 
-demo: $(STAMP) system-deps
+sandbox-deps:
+	$(call install_missing,$(SANDBOX_PACKAGES))
+
+test-deps:
+	$(call install_missing,$(TEST_PACKAGES))
+
+demo: $(STAMP) sandbox-deps
 	$(VENV)/bin/atelier run recipes/demo.toml --out runs/demo
 
-test: $(STAMP) $(VLLM_STAMP) system-deps
+test: $(STAMP) $(VLLM_STAMP) test-deps
 	$(PY) -m pytest
 
-test-all: $(STAMP) $(VLLM_STAMP) system-deps
+test-all: $(STAMP) $(VLLM_STAMP) test-deps
 	$(PY) -m pytest -m ''
 
-bench: $(STAMP) system-deps
+bench: $(STAMP) sandbox-deps
 	$(PY) benchmarks/sandbox.py
 
 # The report's CPT-loss-to-RL-reward finding at small scale (about 30 minutes on 2 cores).
