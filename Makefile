@@ -38,10 +38,11 @@ $(VLLM_STAMP): constraints.txt
 vllm-env: $(VLLM_STAMP)
 
 # bubblewrap provides the sandboxes; chromium renders the HTML report in its
-# test, so only the test targets ask for it (its apt install took 22 s here
-# with its packages already downloaded: time the demo's budget does not have). Installed with apt when missing
-# and we are root; otherwise we say how to get them (the tests that need them
-# then skip, saying why). $(1): command:package pairs.
+# test, so only the test targets ask for it (its apt install took 22 s with
+# its packages already downloaded: time the demo's budget does not have).
+# Installed with apt when missing and we are root; otherwise we say how to
+# get them (the tests that need them then skip, saying why).
+# $(1): command:package pairs.
 define install_missing
 @missing=""; for pair in $(1); do \
   command -v "$${pair%%:*}" >/dev/null 2>&1 || missing="$$missing $${pair#*:}"; done; \
