@@ -12,7 +12,8 @@ import pytest
 from atelier.cli import main as cli
 from atelier.tasks.schema import PythonEnv, TaskLimits, TaskMetadata, TaskSpec
 from atelier.tasks.stats import patch_stats, suite_stats
-from atelier.tasks.validate import RunOutcome, TaskCheck, grade_flags, reason, summarize, validate
+from atelier.tasks.validate import (RunOutcome, TaskCheck, check_task, grade_flags, reason, summarize,
+                                    validate)
 from atelier.tasks.writer import write_task
 
 OK, BAD = RunOutcome(1.0), RunOutcome(0.0, "1 target test(s) missing")
@@ -130,6 +131,23 @@ def test_validate_valid_and_broken_tasks(tmp_path: Path, env_cache: Path, h,
         cli.main(["tasks", "stats", str(suite), "--json"])
     assert info.value.code == 0
     assert json.loads(capsys.readouterr().out)["sources"] == {"test": 2}
+
+
+@pytest.mark.usefixtures("bwrap_ready")
+def test_check_task_side_by_side_matches_one_at_a_time(tmp_path: Path, env_cache: Path, h) -> None:
+    from atelier.tasks.loader import load_task
+
+    good = load_task(make_task(tmp_path / "suite" / "good", h, tmp_path, h.GOLD))
+    wrong = load_task(make_task(tmp_path / "suite" / "wrong-gold", h, tmp_path,
+                                h.make_patch({"calc/ops.py": (h.OPS, h.OPS.replace("a - b", "a * b", 1))})))
+    checks = {}
+    for task in (good, wrong):
+        alone = check_task(task, 2, cache_dir=str(env_cache), workers=1)
+        checks[task.id] = check_task(task, 2, cache_dir=str(env_cache), workers=3)
+        assert checks[task.id] == alone
+    assert [r.reward for r in checks["good"].gold] == [1.0, 1.0] and checks["good"].empty.reward == 0.0
+    assert [r.reward for r in checks["wrong-gold"].gold] == [0.0, 0.0]
+    assert checks["wrong-gold"].empty is None  # graded beside gold, not kept: the task is invalid either way
 
 
 def test_validate_cli_exit_1_on_invalid(tmp_path: Path, capsys) -> None:
