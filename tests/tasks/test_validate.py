@@ -106,13 +106,17 @@ def make_task(out: Path, h, tmp_path: Path, gold: str) -> Path:
     return out
 
 
+def wrong_gold(h) -> str:
+    """A gold patch that does not fix the task: it multiplies where the tests want a sum."""
+    return h.make_patch({"calc/ops.py": (h.OPS, h.OPS.replace("a - b", "a * b", 1))})
+
+
 @pytest.mark.usefixtures("bwrap_ready")
 def test_validate_valid_and_broken_tasks(tmp_path: Path, env_cache: Path, h,
                                          monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     suite = tmp_path / "suite"
     make_task(suite / "good", h, tmp_path, h.GOLD)
-    wrong = h.make_patch({"calc/ops.py": (h.OPS, h.OPS.replace("a - b", "a * b", 1))})
-    make_task(suite / "wrong-gold", h, tmp_path, wrong)
+    make_task(suite / "wrong-gold", h, tmp_path, wrong_gold(h))
 
     seen = []
     checks = validate(suite, runs=2, cache_dir=str(env_cache), on_task=seen.append)
@@ -138,8 +142,7 @@ def test_check_task_side_by_side_matches_one_at_a_time(tmp_path: Path, env_cache
     from atelier.tasks.loader import load_task
 
     good = load_task(make_task(tmp_path / "suite" / "good", h, tmp_path, h.GOLD))
-    wrong = load_task(make_task(tmp_path / "suite" / "wrong-gold", h, tmp_path,
-                                h.make_patch({"calc/ops.py": (h.OPS, h.OPS.replace("a - b", "a * b", 1))})))
+    wrong = load_task(make_task(tmp_path / "suite" / "wrong-gold", h, tmp_path, wrong_gold(h)))
     checks = {}
     for task in (good, wrong):
         alone = check_task(task, 2, cache_dir=str(env_cache), workers=1)
