@@ -6,6 +6,7 @@ import pytest
 
 from atelier.harness.errors import FormatError, Submitted
 from atelier.harness.tools import ToolsConfig, call_tool, default_tools
+from atelier.harness.tools.search import last_part_pattern
 
 
 @pytest.fixture(params=["bwrap", "local"])
@@ -83,6 +84,15 @@ def test_grep_gives_file_line_and_caps(call, ctx):
     ctx.config = ToolsConfig(grep_max_matches=1)
     capped = call_tool(default_tools(), ctx, "grep", {"pattern": "value", "path": "docs"}).output
     assert capped.splitlines()[0] == "docs/notes.txt:1:value = 1" and "[1 more matches" in capped
+
+
+def test_grep_for_a_dotted_name_finds_its_last_part(call):
+    out = call("grep", pattern=r"def Calc\.add\b", include="*.py").output
+    assert out.splitlines() == ["no matches for 'def Calc\\\\.add\\\\b'; Python defines a dotted name (a method, a nested "
+                                "function) under its last part, and 'def add\\\\b' matches:", "pkg/calc.py:4:def add(a, b):"]
+    assert call("grep", pattern="def Calc.zebra").output == "no matches for 'def Calc.zebra' in ."
+    assert last_part_pattern(r"\bcache.CacheMemory.expire\(") == r"\bexpire\("
+    assert last_part_pattern(r"\nlog.error") is None and last_part_pattern("zebra") is None
 
 
 def test_codebase_search_ranks_by_words_and_paths(call, sandbox):
