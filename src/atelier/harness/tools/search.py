@@ -25,7 +25,7 @@ MAX_FILES = 5000
 K1, B = 1.2, 0.75
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|\d+")
 _PART = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|\d+")
-_DOTTED = re.compile(r"(?:(?<=\\[b<])|(?<![\w\\]))[A-Za-z_]\w*(?:\\?\.[A-Za-z_]\w*)+")  # not after an escape but \b
+_DOTTED = re.compile(r"(?:(?<=\\[b<])|(?<![\w\\]))[A-Za-z_]\w*(?:\\?\.[A-Za-z_]\w*)+")  # not after an escape but \b or \<
 _STOP = frozenset("the a an of to in and or is are for on with where what how which does do be by it this that".split())
 
 
