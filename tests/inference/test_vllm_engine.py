@@ -442,13 +442,15 @@ def test_vllm_sockets_live_in_the_servers_own_directory(vllm_engine):
 def test_stopping_a_server_or_reaping_a_killed_one_removes_its_socket_directory(tmp_path):
     """Stopped, a server's socket directory goes with its group; the group a killed atelier left
     (its id and directory kept beside the log) is reaped by the next start, directory included.
-    `sleep` stands in for vLLM's processes; only directories atelier made are removed."""
+    `sleep` stands in for vLLM's processes (and this interpreter for the vLLM environment's, so the
+    test needs none); only directories atelier made are removed."""
     import subprocess
+    import sys
     import tempfile
 
     from atelier.inference.vllm_server import RPC_DIR_PREFIX, VLLMConfig, VLLMServer, in_group
 
-    server = VLLMServer(VLLMConfig(), tmp_path / "model", "m", 64, tmp_path / "vllm.log")
+    server = VLLMServer(VLLMConfig(python=sys.executable), tmp_path / "model", "m", 64, tmp_path / "vllm.log")
     server.proc = subprocess.Popen(["sleep", "600"], **in_group(0))
     server.rpc_dir = Path(tempfile.mkdtemp(prefix=RPC_DIR_PREFIX))
     (server.rpc_dir / "socket-stand-in").touch()
