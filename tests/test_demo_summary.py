@@ -203,6 +203,7 @@ def test_summary_is_recomputed_from_the_records(tmp_path: Path) -> None:
     assert summary["rl"]["tied_groups_skipped"] == 1 and summary["rl"]["zero_variance_fraction_all"] == 3 / 4
     assert summary["wall_s"] == {"eval-before": 10.0, "rl": 5.5} and summary["peak_rss_mb_run"] == 2500
     assert summary["peak_pss_mb"] == {"eval-before": 700, "rl": 2100} and summary["peak_pss_mb_run"] == 2100
+    assert "rl_tasks" not in summary   # the run did not evaluate RL's own tasks (eval.rl_tasks off)
 
     # What `atelier run` prints at the end, from this summary, in an 80-column terminal.
     console = Console(width=80, record=True, force_terminal=False)
@@ -215,6 +216,37 @@ def test_summary_is_recomputed_from_the_records(tmp_path: Path) -> None:
     p_value = f"p = {head['p_value']:.2g} (significant)"
     assert "16 improved / 0 worsened of 32 pairs" in caption and p_value in caption
     assert "zero reward variance: 75%" in caption and "2.20 GB" in caption  # 2100 MiB of PSS
+
+
+def test_rl_task_evaluations_are_summarised_beside_the_held_out_ones(tmp_path: Path) -> None:
+    """With `eval.rl_tasks`, RL's own training tasks get the held-out figures and paired tests
+    (recomputed from their records, apart from the headline) and a line under the final table."""
+    held_out = [(f"h{i}", p) for i in range(2) for p in range(2)]
+    for name in ("eval-sft", "eval-after"):
+        _write_eval(tmp_path / name, {k: (False, 0) for k in held_out})
+    own = [(f"r{i}", p) for i in range(4) for p in range(2)]  # 8 attempts
+    _write_eval(tmp_path / "eval-rl-tasks" / "after-sft", {k: (False, 1 if i < 2 else 0) for i, k in enumerate(own)})
+    _write_eval(tmp_path / "eval-rl-tasks" / "after-rl", {k: (i == 7, 1 if i >= 1 else 0) for i, k in enumerate(own)})
+
+    summary = build_summary(tmp_path, {}, measure="edit", alpha=0.05)
+
+    head = summary["headline"]
+    assert (head["improved"], head["worsened"], head["pairs"]) == (0, 0, 4)   # held out only
+    rl_tasks = summary["rl_tasks"]
+    assert not rl_tasks["pre_registered"] and set(rl_tasks["evaluations"]) == {"after_sft", "after_rl"}
+    assert rl_tasks["evaluations"]["after_sft"]["edit"]["successes"] == 2
+    assert rl_tasks["evaluations"]["after_rl"]["edit"]["successes"] == 7
+    assert rl_tasks["evaluations"]["after_rl"]["pass_rate"] == 1 / 8
+    edit = rl_tasks["tests"]["edit"]
+    assert (edit["improved"], edit["worsened"], edit["pairs"]) == (6, 1, 8)
+    assert edit["p_value"] == mcnemar_one_sided([(False, True)] * 6 + [(True, False)])["p_value"]
+    assert (rl_tasks["tests"]["pass"]["improved"], rl_tasks["tests"]["pass"]["worsened"]) == (1, 0)
+
+    console = Console(width=80, record=True, force_terminal=False)
+    console.print(final_table(summary))
+    caption = " ".join(console.export_text().split())
+    assert f"on RL's own training tasks (edit, not held out): 2 -> 7 of 8, 6 improved / 1 worsened, " \
+           f"p = {edit['p_value']:.2g}" in caption
 
 
 def test_too_few_held_out_attempts_is_refused(tmp_path: Path) -> None:

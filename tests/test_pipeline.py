@@ -86,6 +86,7 @@ validate_runs = 1
 [eval]
 passes = 1
 concurrency = 2
+rl_tasks = true
 
 [eval.agent]
 max_turns = 2
@@ -155,6 +156,7 @@ def test_atelier_run_end_to_end_then_resume(bwrap_ready, recipe: Path, tmp_path:
     assert stages["tasks"]["split"] == "file"
     for stage in ("eval-before", "eval-sft", "eval-after"):
         assert stages[stage]["attempts"] == 1
+    assert stages["eval-rl-tasks"]["tasks"] == 2 and stages["eval-rl-tasks"]["attempts"] == 2
     assert stages["sft-data"]["kept"] == 2, "both gold replays should score 1"
     assert stages["sft"]["steps"] == 1
     assert stages["rl"]["steps"] == 1
@@ -174,6 +176,11 @@ def test_atelier_run_end_to_end_then_resume(bwrap_ready, recipe: Path, tmp_path:
         assert figures["pass_rate"] == (passed / valid if valid else None)
         assert figures["edit"]["rate"] == (edits / valid if valid else None)
         assert set(figures) >= {"pass_rate_interval_95", "best_of_k", "mean_reward", "headline"}
+    for label, sub in (("after_sft", "eval-rl-tasks/after-sft"), ("after_rl", "eval-rl-tasks/after-rl")):
+        figures = summary["rl_tasks"]["evaluations"][label]
+        valid, passed, edits = _recount(out / sub)
+        assert valid == 2 and figures["valid_attempts"] == valid and figures["edit"]["successes"] == edits
+    assert summary["rl_tasks"]["tests"]["edit"]["pairs"] == 2
     head = summary["headline"]
     assert head["measure"] == "edit" and head["pre_registered"] and 0 <= head["p_value"] <= 1
     assert set(head) >= {"test", "pairs", "improved", "worsened", "alpha", "significant"}
@@ -211,6 +218,20 @@ def test_bad_recipe_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "test_count" in err and "Traceback" not in err
+
+
+def test_eval_rl_tasks_is_off_unless_the_recipe_asks(recipe: Path, tmp_path: Path) -> None:
+    """Off, the stage only records why, in the parent (no child process started for nothing)."""
+    from atelier.pipeline.stages import _Context, _Ledger
+
+    for value, reason in (("false", "eval.rl_tasks is off"), ("true", None)):
+        config = load_config(RunConfig, recipe, [f"eval.rl_tasks={value}"])
+        run_dir = tmp_path / value
+        context = _Context(config, run_dir, recipe.parent, print, _Ledger(run_dir))
+        assert context.off("eval-rl-tasks") == reason and all(context.off(s) is None for s in STAGES[:-2])
+    off = _Context(load_config(RunConfig, recipe, ["eval.rl_tasks=false"]), tmp_path, recipe.parent, print,
+                   _Ledger(tmp_path))
+    assert off.run("eval-rl-tasks") == {"skipped": "eval.rl_tasks is off"}
 
 
 def test_summary_keys_when_the_report_stage_has_not_run(tmp_path: Path) -> None:

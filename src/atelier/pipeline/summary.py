@@ -9,6 +9,10 @@ from what the stages left on disk (never copied from a log line).
   McNemar test paired by (task, pass); `significant` is p < `alpha`. The
   same test on every other measure is listed under `other_tests`, labelled as
   not pre-registered;
+- `rl_tasks` (only when the run evaluated them, `eval.rl_tasks`): after_sft
+  and after_rl on RL's own training tasks, figured the same way, and the same
+  paired tests (`tests`): whether RL learned what it trained on. Not
+  pre-registered, and not held out;
 - `rl`: the reward, pass-rate and zero-variance curves per optimizer step
   (from `rl/metrics.jsonl` and `rl/ledger.jsonl`); a group whose members all
   got the same reward has zero advantage and teaches nothing (the whole-run
@@ -34,6 +38,8 @@ from atelier.rl.advantages import tied
 
 EVALUATIONS = {"before": "eval-before", "after_sft": "eval-sft", "after_rl": "eval-after"}
 """Summary label -> the stage (and run subdirectory) that evaluated."""
+RL_TASK_EVALUATIONS = {"after_sft": "eval-rl-tasks/after-sft", "after_rl": "eval-rl-tasks/after-rl"}
+"""The same for RL's own training tasks (`eval.rl_tasks`)."""
 
 
 def zero_variance_fraction(groups: Sequence[Sequence[float]], skipped: int = 0) -> float | None:
@@ -88,21 +94,20 @@ def rl_curves(rl_dir: Path) -> dict[str, Any]:
 
 def build_summary(run_dir: Path, stages: dict[str, dict[str, Any]], *, measure: str, alpha: float) -> dict[str, Any]:
     """The summary object of the run in `run_dir` (see the module docstring)."""
-    records = {label: read_records(run_dir / sub) for label, sub in EVALUATIONS.items()
-               if (run_dir / sub).is_dir()}
+    records = _records(run_dir, EVALUATIONS)
     evaluations = {label: evaluation_figures(recs, measure) for label, recs in records.items()}
-    tests: dict[str, Any] = {}
-    if "after_sft" in records and "after_rl" in records:
-        for name, fn in MEASURES.items():
-            result = mcnemar_one_sided(pair_attempts(records["after_sft"], records["after_rl"], fn))
-            tests[name] = {**result, "compared": "after_rl vs after_sft", "alpha": alpha,
-                           "significant": result["p_value"] < alpha}
+    tests = rl_tests(records, alpha)
+    on_rl_tasks = _records(run_dir, RL_TASK_EVALUATIONS)
+    rl_tasks = {"rl_tasks": {
+        "evaluations": {label: evaluation_figures(recs, measure) for label, recs in on_rl_tasks.items()},
+        "tests": rl_tests(on_rl_tasks, alpha), "pre_registered": False}} if on_rl_tasks else {}
     peaks = {key: {s: o[key] for s, o in stages.items() if o.get(key) is not None}
              for key in PEAK_KEYS}
     return {
         "headline": {"measure": measure, "pre_registered": True, **(tests.get(measure) or {})},
         "other_tests": {k: {**v, "pre_registered": False} for k, v in tests.items() if k != measure},
         "evaluations": evaluations,
+        **rl_tasks,
         "rl": rl_curves(run_dir / "rl"),
         "wall_s": {s: o.get("wall_s") for s, o in stages.items()},
         "stage_starts": {s: o.get("starts", 1) for s, o in stages.items() if "wall_s" in o},
@@ -110,3 +115,19 @@ def build_summary(run_dir: Path, stages: dict[str, dict[str, Any]], *, measure: 
         **peaks,
         **{f"{key}_run": max(by_stage.values(), default=None) for key, by_stage in peaks.items()},
     }
+
+
+def _records(run_dir: Path, evaluations: dict[str, str]) -> dict[str, list[Any]]:
+    return {label: read_records(run_dir / sub) for label, sub in evaluations.items() if (run_dir / sub).is_dir()}
+
+
+def rl_tests(records: dict[str, list[Any]], alpha: float) -> dict[str, Any]:
+    """After RL against after SFT, paired by (task, pass), on every measure; {} unless both ran."""
+    if "after_sft" not in records or "after_rl" not in records:
+        return {}
+    tests = {}
+    for name, fn in MEASURES.items():
+        result = mcnemar_one_sided(pair_attempts(records["after_sft"], records["after_rl"], fn))
+        tests[name] = {**result, "compared": "after_rl vs after_sft", "alpha": alpha,
+                       "significant": result["p_value"] < alpha}
+    return tests
