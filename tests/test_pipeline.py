@@ -220,6 +220,31 @@ def test_bad_recipe_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "test_count" in err and "Traceback" not in err
 
 
+def test_a_run_begun_before_a_field_existed_resumes_and_a_changed_recipe_is_refused(recipe: Path,
+                                                                                     tmp_path: Path) -> None:
+    """The frozen config.toml of a run begun by an earlier version lacks the fields added since:
+    at their defaults it is the same recipe. A changed value, or a key this version does not know,
+    is another recipe."""
+    import tomli_w
+
+    from atelier.compat import tomllib
+    from atelier.config import dump_config
+    from atelier.pipeline.stages import _freeze_config
+
+    config = load_config(RunConfig, recipe, ["eval.rl_tasks=false"])
+    frozen = tomllib.loads(dump_config(config))
+    del frozen["eval"]["rl_tasks"]                       # as a run begun before eval.rl_tasks wrote it
+    (tmp_path / "config.toml").write_text(tomli_w.dumps(frozen))
+    _freeze_config(config, tmp_path)
+    assert "rl_tasks = false" in (tmp_path / "config.toml").read_text()
+    with pytest.raises(PipelineError, match="different recipe"):
+        _freeze_config(load_config(RunConfig, recipe, ["eval.rl_tasks=true"]), tmp_path)
+    frozen["eval"]["no_such_option"] = 1
+    (tmp_path / "config.toml").write_text(tomli_w.dumps(frozen))
+    with pytest.raises(PipelineError, match="different recipe"):
+        _freeze_config(config, tmp_path)
+
+
 def test_eval_rl_tasks_is_off_unless_the_recipe_asks(recipe: Path, tmp_path: Path) -> None:
     """Off, the stage only records why, in the parent (no child process started for nothing)."""
     from atelier.pipeline.stages import _Context, _Ledger

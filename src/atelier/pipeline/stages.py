@@ -234,11 +234,22 @@ def _freeze_config(config: RunConfig, run_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     frozen = run_dir / "config.toml"
     text = dump_config(config)
-    # Compared as data, not text: how the writer lays out TOML may change between versions.
-    if frozen.is_file() and tomllib.loads(frozen.read_text()) != tomllib.loads(text):
+    if frozen.is_file() and not _same_recipe(frozen.read_text(), text):
         raise PipelineError(f"{run_dir} holds a run of a different recipe (see its config.toml)",
                             hint="resume with the same recipe and --set values, or pick a new --out")
     frozen.write_text(text)
+
+
+def _same_recipe(frozen: str, text: str) -> bool:
+    """Whether a run directory's frozen config is the recipe dumped as `text`. Compared as data,
+    not text (how the writer lays out TOML may change between versions), after filling in the
+    defaults of fields added since the run began: a run started before `eval.rl_tasks` existed
+    is the same recipe with it off. A frozen config this version cannot read is another recipe."""
+    try:
+        then = RunConfig.model_validate(tomllib.loads(frozen))
+    except (tomllib.TOMLDecodeError, ValueError):
+        return False
+    return tomllib.loads(dump_config(then)) == tomllib.loads(text)
 
 
 def _brief(outputs: dict[str, Any]) -> str:

@@ -96,11 +96,11 @@ def build_summary(run_dir: Path, stages: dict[str, dict[str, Any]], *, measure: 
     """The summary object of the run in `run_dir` (see the module docstring)."""
     records = _records(run_dir, EVALUATIONS)
     evaluations = {label: evaluation_figures(recs, measure) for label, recs in records.items()}
-    tests = rl_tests(records, alpha)
+    tests = rl_vs_sft_tests(records, alpha)
     on_rl_tasks = _records(run_dir, RL_TASK_EVALUATIONS)
     rl_tasks = {"rl_tasks": {
         "evaluations": {label: evaluation_figures(recs, measure) for label, recs in on_rl_tasks.items()},
-        "tests": rl_tests(on_rl_tasks, alpha), "pre_registered": False}} if on_rl_tasks else {}
+        "tests": rl_vs_sft_tests(on_rl_tasks, alpha), "pre_registered": False}} if on_rl_tasks else {}
     peaks = {key: {s: o[key] for s, o in stages.items() if o.get(key) is not None}
              for key in PEAK_KEYS}
     return {
@@ -121,7 +121,7 @@ def _records(run_dir: Path, evaluations: dict[str, str]) -> dict[str, list[Any]]
     return {label: read_records(run_dir / sub) for label, sub in evaluations.items() if (run_dir / sub).is_dir()}
 
 
-def rl_tests(records: dict[str, list[Any]], alpha: float) -> dict[str, Any]:
+def rl_vs_sft_tests(records: dict[str, list[Any]], alpha: float) -> dict[str, Any]:
     """After RL against after SFT, paired by (task, pass), on every measure; {} unless both ran."""
     if "after_sft" not in records or "after_rl" not in records:
         return {}
