@@ -110,13 +110,12 @@ def _caption(summary: dict) -> str:
                      f"{head['improved']} improved / {head['worsened']} worsened of {head['pairs']} pairs, "
                      f"one-sided exact McNemar p = {head['p_value']:.2g}"
                      + (" (significant)" if head["significant"] else " (not significant)"))
-    own = summary.get("rl_tasks")
-    if own and head["measure"] in own["tests"]:
-        test, ev = own["tests"][head["measure"]], own["evaluations"]
-        parts.append(f"on RL's own training tasks ({head['measure']}, not held out): "
-                     f"{ev['after_sft'][head['measure']]['successes']} -> {ev['after_rl'][head['measure']]['successes']} "
-                     f"of {test['pairs']}, {test['improved']} improved / {test['worsened']} worsened, "
-                     f"p = {test['p_value']:.2g}")
+    own, measure = summary.get("rl_tasks"), head["measure"]
+    if own and measure in own["tests"]:
+        test, before, after = own["tests"][measure], own["evaluations"]["after_sft"], own["evaluations"]["after_rl"]
+        parts.append(f"on RL's own training tasks ({measure}, not held out): {before[measure]['successes']} -> "
+                     f"{after[measure]['successes']} of {test['pairs']}, {test['improved']} improved / "
+                     f"{test['worsened']} worsened, p = {test['p_value']:.2g}")
     zero = (summary.get("rl") or {}).get("zero_variance_fraction_all")
     if zero is not None:
         parts.append(f"RL groups with zero reward variance: {zero:.0%}")
