@@ -391,7 +391,7 @@ class BatchedForward:
             ids += tokens[start:]
             pos += range(start, len(tokens))
             rows += self.kv.rows(table, start, len(tokens))
-        dev = self.device
+        dev, dtype = self.device, self.core.embed_tokens.weight.dtype
         ids_1N = torch.tensor(ids, dtype=torch.long, device=dev)[None]
         pos_1N = torch.tensor(pos, dtype=torch.long, device=dev)[None]
         rows_N = torch.tensor(rows, dtype=torch.long, device=dev)
@@ -400,8 +400,12 @@ class BatchedForward:
             if start == 0:
                 plans.append((off, n, None, None))
                 continue
-            mask_1NT = torch.arange(start + n, device=dev)[None, :] <= torch.arange(start, start + n, device=dev)[:, None]
-            plans.append((off, n, self._plan(table, start + n), mask_1NT[None]))
+            # Additive and [1, 1, N, T], made once for every layer: SDPA's fused CPU kernel takes a 4-D
+            # mask only (a 3-D one sent it to the unfused path, which materialises and softmaxes every
+            # [H, N, T] score: ~10x slower here), and a boolean one it converts again at every layer
+            hidden = torch.arange(start + n, device=dev)[None, :] > torch.arange(start, start + n, device=dev)[:, None]
+            mask_11NT = torch.zeros(hidden.shape, dtype=dtype, device=dev).masked_fill_(hidden, float("-inf"))
+            plans.append((off, n, self._plan(table, start + n), mask_11NT[None, None]))
 
         def attend(i, q, k, v):
             self._store(i, rows_N, k[0], v[0])
