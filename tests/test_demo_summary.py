@@ -248,6 +248,16 @@ def test_rl_task_evaluations_are_summarised_beside_the_held_out_ones(tmp_path: P
     assert f"on RL's own training tasks (edit, not held out): 2 -> 7 of 8, 6 improved / 1 worsened, " \
            f"p = {edit['p_value']:.2g}" in caption
 
+    from atelier.eval.report import headline_section
+
+    page = headline_section(summary)   # report.html: its own table and test under the held-out ones
+    own_table = page[page.index('<table id="rl-tasks">'):]
+    assert own_table.index("after SFT") < own_table.index("after RL") and "before training" not in own_table
+    assert "<td>0.250 [0.07, 0.59]</td><td>0.875 [0.53, 0.98]</td>" in own_table   # edit: 2/8 -> 7/8
+    assert "(headline)" not in own_table
+    assert f"6 improved, 1 worsened, one-sided p = {edit['p_value']:.4f} (not pre-registered)" in own_table
+    assert "rl-tasks" not in headline_section({**summary, "rl_tasks": {}})
+
 
 def test_too_few_held_out_attempts_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "r.toml"

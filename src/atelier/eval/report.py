@@ -166,12 +166,9 @@ def _interval(iv: Sequence[float] | None) -> str:
     return f" [{iv[0]:.2f}, {iv[1]:.2f}]" if iv else ""
 
 
-def headline_section(summary: dict[str, Any]) -> str:
-    """The three evaluations of `atelier run` side by side and its pre-registered
-    test (`summary` as `atelier.pipeline.summary.build_summary` makes it)."""
-    evals = summary.get("evaluations", {})
-    head = summary.get("headline", {})
-    measure = head.get("measure", "pass")
+def _evaluations_table(table_id: str, evals: dict[str, Any], measure: str, headline: bool = True) -> str:
+    """The summary's evaluations (label -> figures) side by side, in pipeline order, with the
+    rate of `measure` (marked as the headline's when `headline`)."""
     cols = [("before", "before training"), ("after_sft", "after SFT"), ("after_rl", "after RL")]
     cols = [(k, label) for k, label in cols if k in evals]
 
@@ -183,16 +180,28 @@ def headline_section(summary: dict[str, Any]) -> str:
             row("best-of-K (tasks solved at least once)", lambda e: _fmt(e["best_of_k"], ".3f")),
             row("mean reward", lambda e: _fmt(e["mean_reward"], ".3f"))]
     if measure != "pass":
-        rows.append(row(f"{measure} rate [95% Wilson] (headline)",
+        rows.append(row(f"{measure} rate [95% Wilson]" + (" (headline)" if headline else ""),
                         lambda e: _fmt(e[measure]["rate"], ".3f") + _interval(e[measure]["interval_95"])))
-    table = ('<table id="headline"><tr><th></th>' + "".join(f"<th>{escape(label)}</th>" for _, label in cols)
-             + "</tr>" + "".join(rows) + "</table>")
+    return (f'<table id="{table_id}"><tr><th></th>' + "".join(f"<th>{escape(label)}</th>" for _, label in cols)
+            + "</tr>" + "".join(rows) + "</table>")
+
+
+def _paired_test(test: dict[str, Any]) -> str:
+    return (f"{escape(test['test'])} over {test['pairs']} paired attempts: {test['improved']} improved, "
+            f"{test['worsened']} worsened, one-sided p = {test['p_value']:.4f}")
+
+
+def headline_section(summary: dict[str, Any]) -> str:
+    """The three evaluations of `atelier run` side by side and its pre-registered
+    test (`summary` as `atelier.pipeline.summary.build_summary` makes it); with
+    `rl_tasks`, the same for RL's own training tasks below them."""
+    head = summary.get("headline", {})
+    measure = head.get("measure", "pass")
+    table = _evaluations_table("headline", summary.get("evaluations", {}), measure)
     if "p_value" in head:
         verdict = "significant" if head.get("significant") else "not significant"
         test = (f"<p>Headline, named in the recipe before the run: <b>{escape(measure)}</b>, after RL against "
-                f"after SFT, {escape(head['test'])} over {head['pairs']} paired attempts: {head['improved']} "
-                f"improved, {head['worsened']} worsened, one-sided p = {head['p_value']:.4f} "
-                f"(<b>{verdict}</b> at α = {head['alpha']}).</p>")
+                f"after SFT, {_paired_test(head)} (<b>{verdict}</b> at α = {head['alpha']}).</p>")
     else:
         test = '<p class="muted">No headline test: an evaluation after SFT or after RL is missing.</p>'
     rl = summary.get("rl") or {}
@@ -203,7 +212,21 @@ def headline_section(summary: dict[str, Any]) -> str:
                f'{rl.get("zero_variance_groups", 0)} with zero reward variance'
                + (f" ({zero:.0%})" if zero is not None else "") + "; rewards per step: "
                + escape(", ".join(_fmt(v) for v in rl.get("reward_mean", []))) + "</p>")
-    return "<h2>Before training, after SFT, after RL</h2>" + table + test + rl_line
+    return "<h2>Before training, after SFT, after RL</h2>" + table + test + rl_line + _rl_tasks_section(summary)
+
+
+def _rl_tasks_section(summary: dict[str, Any]) -> str:
+    """The SFT and RL models on RL's own training tasks (`eval.rl_tasks`): not held out, not the
+    headline; what RL learned where it trained, for reading the held-out result beside it."""
+    own = summary.get("rl_tasks")
+    if not own:
+        return ""
+    measure = summary.get("headline", {}).get("measure", "pass")
+    test = own["tests"].get(measure)
+    line = (f"<p>After RL against after SFT on <b>{escape(measure)}</b>, {_paired_test(test)} "
+            "(not pre-registered).</p>") if test else ""
+    return ("<h3>On RL's own training tasks (not held out)</h3>"
+            + _evaluations_table("rl-tasks", own["evaluations"], measure, headline=False) + line)
 
 
 def build_report(run_dirs: Sequence[str | Path], out: str | Path, *,
