@@ -35,11 +35,14 @@ Also measured, on the built-in engine:
   (default 16) with distinct ~C-token prompts (default 3,000) each decode K
   greedy tokens (default 32) at once: decode tokens/s and ms per step,
   counted from the step after the last prompt's prefill (what an agent's
-  later turns cost; attention over the cache dominates there, not weights).
-  With `--long-shared N` the prompts begin with the same N tokens (an
+  later turns cost; attention over the cache dominates there, not weights),
+  and `prefill_seconds`, from the first submit to the last prompt's first
+  token. With `--long-shared N` the prompts begin with the same N tokens (an
   agent's system prompt) and the section runs twice, with and without
   attending to the shared prompt once for all requests
-  (`shared_attention_speedup`, in ms per step).
+  (`shared_attention_speedup`, in ms per step); every prompt after the
+  first is then a prefill over cached positions, as an agent's later turn
+  is.
 - `serve_memory`: peak resident memory (VmHWM) of an `atelier serve` process
   while C clients (default 16) each send one chat request with a ~3k-token
   prompt; target <= 2 GB for SmolLM2-135M.
@@ -460,6 +463,7 @@ def long_decode(ctx: Context, dtype: str, shared_attention: bool = True) -> dict
         engine._forward.cascade = shared_attention
         engine.generate(ctx.prompts[0], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
         times: list[list[float]] = [[] for _ in range(B)]
+        submitted = time.perf_counter()
         handles = [engine.submit(p, params, on_token=lambda *_, i=i: times[i].append(time.perf_counter()))
                    for i, p in enumerate(_long_prompts(ctx.tokenizer, B, C, a.long_shared))]
         for h in handles:
@@ -471,7 +475,8 @@ def long_decode(ctx: Context, dtype: str, shared_attention: bool = True) -> dict
         return {"dtype": str(engine.dtype).removeprefix("torch."), "batch": B, "context_tokens": C,
                 "shared_tokens": a.long_shared, "shared_attention": shared_attention,
                 "shared_rows": engine._forward.stats["shared_rows"],
-                "new_tokens": K, "decode_tokens": tokens, "decode_seconds": round(end - start, 2),
+                "new_tokens": K, "prefill_seconds": round(start - submitted, 2),
+                "decode_tokens": tokens, "decode_seconds": round(end - start, 2),
                 "decode_tokens_per_s": round(tokens / (end - start), 1) if end > start else None,
                 "ms_per_step": round(1000 * (end - start) / steps, 1) if steps else None,
                 "copied_rows": getattr(engine._forward, "stats", {}).get("copied_rows")}
