@@ -402,7 +402,7 @@ class BatchedForward:
                 continue
             # Additive and [1, 1, N, T], made once for every layer: SDPA's fused CPU kernel takes a 4-D
             # mask only (a 3-D one sent it to the unfused path, which materialises and softmaxes every
-            # [H, N, T] score: ~10x slower here), and a boolean one it converts again at every layer
+            # [H, N, T] score: its attention ~10x slower here), and a boolean one it converts at every layer
             hidden = torch.arange(start + n, device=dev)[None, :] > torch.arange(start, start + n, device=dev)[:, None]
             mask_11NT = torch.zeros(hidden.shape, dtype=dtype, device=dev).masked_fill_(hidden, float("-inf"))
             plans.append((off, n, self._plan(table, start + n), mask_11NT[None, None]))
