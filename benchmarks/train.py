@@ -20,6 +20,8 @@ absolute rates fall with the load; the ratios inside one run are what to read.
 
     python benchmarks/train.py [--seq-len 2048] [--batch 1] [--ranks 1 2] [--precisions fp32 bf16]
     python benchmarks/train.py --seq-len 4096 --batch 4 --ranks 1 --precisions bf16   # memory target
+    python benchmarks/train.py --ranks 1 --precisions bf16 --activation-checkpointing --batch 12 --micro-batch 1 \
+        --seq-len 2100 --shared-prefix 1200 --group-size 6 --group-shared 300 --trained 800   # the demo's RL step
 """
 
 from __future__ import annotations
@@ -67,12 +69,18 @@ def worker(spec: dict) -> None:
     rate, rate_cpu = matmul_gflops(device, dtype)
     g = torch.Generator().manual_seed(0)
     n, vocab = spec["seq_len"], trainer.model.config.vocab_size
-    shared = torch.randint(0, vocab, (spec["shared_prefix"],), generator=g).tolist()
+    tokens = lambda count: torch.randint(0, vocab, (count,), generator=g).tolist()   # noqa: E731
+    shared = tokens(spec["shared_prefix"])
+    # each group of --group-size samples also shares --group-shared tokens (its task and the turns its
+    # members sampled alike), trained where they fall inside the last --trained tokens
+    group_runs = [tokens(spec["group_shared"]) for _ in range(-(-spec["batch"] // spec["group_size"]))]
     trained = min(spec["trained"] or n - 1, n - 1)
-    samples = [Sample(shared + torch.randint(0, vocab, (n - len(shared),), generator=g).tolist(),
-                      [0] * (n - trained) + [1] * trained, [0.0] * (n - trained) + [-3.0] * trained,
-                      [-1] * (n - trained) + [0] * trained, 1.0 if i % 2 else -1.0, "g", "t")
-               for i in range(spec["batch"])]
+    samples = []
+    for i in range(spec["batch"]):
+        begun = shared + group_runs[i // spec["group_size"]]
+        samples.append(Sample(begun + tokens(n - len(begun)), [0] * (n - trained) + [1] * trained,
+                              [0.0] * (n - trained) + [-3.0] * trained, [-1] * (n - trained) + [0] * trained,
+                              1.0 if i % 2 else -1.0, "g", "t"))
     times = []
     for i in range(spec["warmup"] + spec["steps"]):
         sync(device)
@@ -123,6 +131,10 @@ def main() -> None:
     parser.add_argument("--shared-prefix", type=int, default=0,
                         help="tokens every sample begins with (a system prompt); >0 also times rl.trainer.share_prefix "
                              "off, and on with recompute_prefix off (the prefix's activations kept)")
+    parser.add_argument("--group-size", type=int, default=1, help="samples per group (with --group-shared)")
+    parser.add_argument("--group-shared", type=int, default=0,
+                        help="tokens each group's samples share after the --shared-prefix (a task, turns sampled "
+                             "alike); >0 also times every sample run whole")
     parser.add_argument("--trained", type=int, default=0,
                         help="trained tokens at the end of each sample (an RL rollout's sampled turns); 0: all")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -139,7 +151,9 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory(prefix="atelier-bench-train-") as tmp:
         model = args.model or str(build_model(Path(tmp) / "model"))
-        prefixes = ("whole", "shared", "kept") if args.shared_prefix else ("shared",)
+        if args.shared_prefix + args.group_shared >= args.seq_len:
+            parser.error("--shared-prefix plus --group-shared must leave each sample a token of its own")
+        prefixes = ("whole", "shared", "kept") if args.shared_prefix or args.group_shared else ("shared",)
         checkpointing = {"off": (False,), "on": (True,), "both": (False, True)}[args.activation_checkpointing]
         for world, precision, prefix, ckpt in ((w, p, m, c) for w in args.ranks for p in args.precisions
                                                for m in prefixes for c in checkpointing):
@@ -151,7 +165,8 @@ def main() -> None:
                     "threads": max(1, threads // world), "steps": args.steps, "warmup": args.warmup,
                     "activation_checkpointing": ckpt,
                     "logprob_chunk": args.logprob_chunk, "prefix": prefix,
-                    "shared_prefix": args.shared_prefix, "trained": args.trained,
+                    "shared_prefix": args.shared_prefix, "group_size": args.group_size,
+                    "group_shared": args.group_shared, "trained": args.trained,
                     "out": str(Path(tmp) / f"r{name}.json")}
             path = Path(tmp) / f"spec-{name}.json"
             path.write_text(json.dumps(spec))
@@ -187,7 +202,8 @@ def main() -> None:
                 checkpointed["peak_rss_gb_max_rank"] / full["peak_rss_gb_max_rank"], 2)
     print(json.dumps({"benchmark": "train", "model": args.model or "SmolLM2-135M shapes, random weights",
                       "seq_len": args.seq_len, "batch": args.batch, "micro_batch": args.micro_batch,
-                      "shared_prefix": args.shared_prefix, "trained": args.trained,
+                      "shared_prefix": args.shared_prefix, "group_size": args.group_size,
+                      "group_shared": args.group_shared, "trained": args.trained,
                       "total_threads": threads, "results": results, "ratios": ratios}))
 
 

@@ -248,38 +248,50 @@ class PolicyHead(nn.Module):
         return chunked_token_logprobs(hidden_BTH, self.lm.get_output_embeddings(), ids_BT, temperature,
                                       want_entropy, self.chunk)
 
-    def encode_prefix(self, ids_1P: torch.Tensor, recompute: bool = False) -> SharedPrefix:
-        """The key/value cache of one prefix, in this forward's autograd graph (unless under no_grad).
+    def encode_prefix(self, ids_1P: torch.Tensor, recompute: bool = False, *, parent: SharedPrefix | None = None,
+                      labels_1P: torch.Tensor | None = None, temperature: float = 1.0) -> SharedPrefix:
+        """The key/value cache of a run of tokens that sequences continue, in this forward's autograd
+        graph (unless under no_grad). With `parent`, the run itself continues the parent's (a node
+        of `atelier.rl.prefix_tree`); with `labels_1P`, the token after each of `ids_1P`, the run
+        also gives their logprobs and entropy (`SharedPrefix.logprobs_1P`, `entropy_1P`).
 
         With `recompute`, the forward runs without a graph and `SharedPrefix.backward` runs it
-        again with one (activation checkpointing of the prefix alone): the prefix's activations
-        are not held while the continuations run.
+        again with one (activation checkpointing of the run alone): the run's activations are
+        not held while its continuations run.
 
         Not for a sharded head: FSDP unshards a layer for its backward when the gradient reaches
         the layer's output, and a prefix's gradient reaches its layers through their keys and
         values instead (the trainer shares prefixes on one rank only).
         """
-        from atelier.prefix_cache import PrefixCache
-
         base = decoder_of(self.lm)
+        past = parent.length if parent is not None else 0
 
-        def keys_and_values() -> list[tuple[torch.Tensor, torch.Tensor]]:
-            cache = PrefixCache(self.lm.config, keep=True)
-            base(input_ids=ids_1P, attention_mask=torch.ones_like(ids_1P), use_cache=False,
-                 **{_cache_keyword(type(base)): cache})
-            return cache.kept_keys_and_values()
+        def run() -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None, torch.Tensor | None]:
+            from atelier.prefix_cache import PrefixCache
+
+            cache = parent.cache(1, keep=True) if parent is not None else PrefixCache(self.lm.config, keep=True)
+            hidden_1PH = base(input_ids=ids_1P, attention_mask=ids_1P.new_ones(1, past + ids_1P.shape[1]),
+                              use_cache=False, **{_cache_keyword(type(base)): cache}).last_hidden_state
+            if labels_1P is None:
+                return cache.kept_keys_and_values(), None, None
+            from atelier.kernels.logprobs import chunked_logprobs
+
+            head = self.lm.get_output_embeddings()
+            logp_N, ent_N = chunked_logprobs(hidden_1PH.reshape(-1, hidden_1PH.shape[-1]), head.weight, head.bias,
+                                             labels_1P.reshape(-1), temperature, self.chunk, True)
+            return cache.kept_keys_and_values(), logp_N.view(1, -1), ent_N.view(1, -1)
 
         if not (recompute and torch.is_grad_enabled()):
-            return SharedPrefix(ids_1P.shape[1], keys_and_values(), self.lm.config)
+            return SharedPrefix(past + ids_1P.shape[1], *run(), self.lm.config)
         rng = _rng_states(ids_1P.device)
         with torch.no_grad():
-            kv = keys_and_values()
+            kept = run()
 
-        def again() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        def again():
             with _rng_restored(ids_1P.device, rng):   # the same dropout masks, if the model has any
-                return keys_and_values()
+                return run()
 
-        return SharedPrefix(ids_1P.shape[1], kv, self.lm.config, recompute=again)
+        return SharedPrefix(past + ids_1P.shape[1], *kept, self.lm.config, recompute=again)
 
 
 def _rng_states(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -306,69 +318,58 @@ def _cache_keyword(decoder_type: type) -> str:
 
 
 class SharedPrefix:
-    """The tokens every sequence of a trainer step begins with, run forward once for all of them.
+    """A run of tokens that sequences of a trainer step continue, run forward once for all of them.
 
     A step's RL samples share their first ~1,200 tokens (the harness's system
-    prompt, and the task too when the step holds one group): running them
-    once instead of once per sample is most of a step's compute on this
-    recipe. The continuations attend to
-    detached copies of the prefix's keys and values (`leaves`), whose
-    gradients collect over every micro-batch's backward; `backward()` then
-    sends them through the prefix's forward once. The result is the gradient
-    of running every sample whole, up to rounding (tests/rl/test_trainer.py).
-    With `recompute` (the trainer's `recompute_prefix`), that forward is run
-    again for the backward instead of being kept: the prefix's activations
-    (about 1.3 GB for SmolLM2-135M's 1,200 tokens in bf16) are not held while
-    every continuation runs, for one more prefix forward a step.
+    prompt), and a group's members their task and often their first turns
+    (`atelier.rl.prefix_tree`): running them once instead of once per sample
+    is most of a step's compute on this recipe. The continuations attend to
+    detached copies of the run's keys and values (`leaves`), whose gradients
+    collect over every continuation's backward; `backward()` then sends them
+    through the run's forward once, with the loss of the run's own trained
+    tokens. The result is the gradient of running every sample whole, up to
+    rounding (tests/rl/test_trainer.py). With `recompute` (the trainer's
+    `recompute_prefix`), that forward is run again for the backward instead
+    of being kept: the run's activations (about 1.3 GB for SmolLM2-135M's
+    1,200 tokens in bf16) are not held while every continuation runs, for one
+    more forward of the run a step. `length` counts every position the
+    continuations read: the parent's too.
     """
 
-    def __init__(self, length: int, kv: list[tuple[torch.Tensor, torch.Tensor]], config: Any,
-                 recompute: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]] | None = None) -> None:
+    def __init__(self, length: int, kv: list[tuple[torch.Tensor, torch.Tensor]], logprobs_1P: torch.Tensor | None,
+                 entropy_1P: torch.Tensor | None, config: Any, recompute: Callable[[], tuple] | None = None) -> None:
         self.length, self.kv, self.config, self.recompute = length, kv, config, recompute
+        self.logprobs_1P, self.entropy_1P = logprobs_1P, entropy_1P
         self.leaves = [tuple(t.detach().requires_grad_(t.requires_grad or recompute is not None) for t in pair)
                        for pair in kv]
 
-    def cache(self, batch: int):
+    def cache(self, batch: int, keep: bool = False):
         """A cache over the leaves for `batch` continuations, which they read and never grow (so a
-        checkpointed layer can be recomputed: `atelier.prefix_cache`)."""
+        checkpointed layer can be recomputed: `atelier.prefix_cache`); with `keep`, it records what
+        a continuation's forward adds (for a run that continues this one)."""
         from atelier.prefix_cache import PrefixCache
 
-        return PrefixCache(self.config, [tuple(t.expand(batch, -1, -1, -1) for t in pair) for pair in self.leaves])
+        return PrefixCache(self.config, [tuple(t.expand(batch, -1, -1, -1) for t in pair) for pair in self.leaves],
+                           keep=keep)
 
-    def backward(self) -> None:
-        if not any(leaf.grad is not None for pair in self.leaves for leaf in pair):
+    def backward(self, loss_of: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Send the continuations' gradients through the run's forward, with `loss_of(logprobs_1P)`,
+        the loss of the run's own trained tokens, when given (computed on the recomputed logprobs
+        under `recompute`)."""
+        if loss_of is None and not any(leaf.grad is not None for pair in self.leaves for leaf in pair):
             return
-        kv = self.recompute() if self.recompute is not None else self.kv
+        kv, logprobs_1P, _ = self.recompute() if self.recompute is not None else (self.kv, self.logprobs_1P, None)
         outputs, grads = [], []
         for pair, leaves in zip(kv, self.leaves):
             for out, leaf in zip(pair, leaves):
                 if leaf.grad is not None:
                     outputs.append(out)
                     grads.append(leaf.grad)
+        if loss_of is not None:
+            outputs.append(loss_of(logprobs_1P))
+            grads.append(None)   # a scalar: d loss / d loss = 1
         if outputs:
             torch.autograd.backward(outputs, grads)
-
-
-def shared_prefix_length(token_ids: list[list[int]], loss_masks: list[list[int]], minimum: int = 64) -> int:
-    """How many leading tokens a step's sequences can share: common to all and trained in none.
-
-    The prefix stops one token before the first trained token of any
-    sequence, because that token's logprob is read from the position before
-    it, which a continuation must compute itself. 0 (run every sequence
-    whole) for fewer than two sequences or a prefix shorter than `minimum`.
-    """
-    if len(token_ids) < 2:
-        return 0
-    length = min(len(ids) for ids in token_ids) - 1
-    first, rest = token_ids[0], token_ids[1:]
-    for i in range(length):
-        if any(ids[i] != first[i] for ids in rest):
-            length = i
-            break
-    for mask in loss_masks:
-        trained = next((i for i, m in enumerate(mask) if m), len(mask))
-        length = min(length, trained - 1)
-    return length if length >= minimum else 0
 
 
 def decoder_of(lm: nn.Module) -> nn.Module:

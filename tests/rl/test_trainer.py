@@ -142,21 +142,37 @@ def test_zero_advantage_samples_are_not_run_and_change_nothing(tiny_model_dir):
     assert trainer.train_step(samples)["skipped_zero_advantage"] == 0
 
 
+def group_samples(seed: int = 4) -> list[Sample]:
+    """Two groups of three after one system prompt (70 tokens): each group its own task, then a turn
+    its members sampled alike (66 trained tokens) and a tool result, then each member's own sampled
+    tokens; group 1's last two members are the same rollout."""
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda n: torch.randint(0, 256, (n,), generator=g).tolist()   # noqa: E731
+    prompt, samples = rand(70), []
+    # advantages that do not sum to 0 in a group, and sampler logprobs that differ by member: else the
+    # shared turn's loss terms would cancel (reward minus the group mean, equal importance weights)
+    for group, advantages in enumerate(((1.0, -0.5, -0.2), (0.6, -0.3, -0.3))):
+        task, turn, tool = rand(6), rand(66), rand(4)
+        owns = [rand(5 + i) for i in range(3)]
+        if group == 1:
+            owns[2] = owns[1]
+        for i, (own, adv) in enumerate(zip(owns, advantages)):
+            ids = prompt + task + turn + tool + own
+            mask = [0] * 76 + [1] * 66 + [0] * 4 + [1] * len(own)
+            samples.append(Sample(ids, mask, [-5.0 - i if m else 0.0 for m in mask], [i % 2 if m else -1 for m in mask],
+                                  adv, f"g{group}", "t"))
+    return samples
+
+
 @pytest.mark.parametrize("kl_beta", [0.0, 0.1])
-def test_a_shared_prefix_runs_once_and_takes_the_same_step(tiny_model_dir, kl_beta):
-    """Samples that begin alike (one system prompt, then each its own task and turns) train their
-    common untrained prefix once per step; the step is the one of running every sample whole."""
-    g = torch.Generator().manual_seed(4)
-    prompt = torch.randint(0, 256, (70,), generator=g).tolist()
-    samples = []
-    for i, adv in enumerate((1.0, -0.5, 0.5)):
-        own = torch.randint(0, 256, (5 + 3 * i,), generator=g).tolist()      # a task, then sampled tokens
-        sampled = torch.randint(0, 256, (6 + i,), generator=g).tolist()
-        n = len(prompt) + len(own)
-        samples.append(Sample(prompt + own + sampled, [0] * n + [1] * len(sampled), [0.0] * n + [-3.0] * len(sampled),
-                              [-1] * n + [0] * len(sampled), adv, "g", "t"))
+def test_a_prefix_tree_runs_shared_tokens_once_and_takes_the_same_step(tiny_model_dir, kl_beta):
+    """The system prompt runs once a step, each group's task and shared turn once a group (its trained
+    tokens' loss applied to one logprob per token, for every member), and the step is the one of
+    running every sample whole."""
+    samples = group_samples()
     out = []
-    # the prefix's activations kept, then recomputed for its backward, then every layer checkpointed too
+    # the runs' activations kept, then recomputed for their backward, then every layer checkpointed too;
+    # micro-batches of 2: a group's continuations run together over the group's keys and values
     for share, recompute, checkpointing in ((False, False, False), (True, False, False), (True, True, False),
                                             (True, True, True)):
         trainer = Trainer(tiny_model_dir, TrainerConfig(precision="fp32", norm_tokens=16.0, lr=1e-3, micro_batch=2,
@@ -164,11 +180,13 @@ def test_a_shared_prefix_runs_once_and_takes_the_same_step(tiny_model_dir, kl_be
                                                         activation_checkpointing=checkpointing, kl_beta=kl_beta))
         out.append((trainer.train_step(samples), trainer.model.state_dict()))
     (m0, w0), *shared = out
-    assert m0["shared_prefix_tokens"] == 0
+    whole = sum(len(s.token_ids) for s in samples)
+    assert m0["positions_run"] == m0["positions_whole"] == whole
     for m1, w1 in shared:
-        assert m1["shared_prefix_tokens"] == 70
-        assert m1["train_tokens"] == m0["train_tokens"] == 6 + 7 + 8
-        for key in ("loss", "grad_norm", "entropy", "is_weight_mean", "kl_k1"):
+        # the prompt's 69 (token 70 is the first a group feeds), each group's 76, each member's own tail
+        assert m1["positions_run"] == 69 + 2 * 76 + sum(len(s.token_ids) - 145 for s in samples)
+        assert m1["train_tokens"] == m0["train_tokens"] == 6 * 66 + (5 + 6 + 7) + (5 + 6 + 6)
+        for key in ("loss", "grad_norm", "entropy", "is_weight_mean", "kl_k1", "sampler_k1"):
             assert m1[key] == pytest.approx(m0[key], rel=1e-4, abs=1e-6)
         for k in w0:   # Adam's first step moves a weight by about lr (1e-3) whatever its gradient's size
             torch.testing.assert_close(w1[k], w0[k], rtol=0, atol=2e-5)
@@ -200,15 +218,26 @@ def test_a_recomputed_prefix_holds_no_graph_until_its_backward(tiny_model_dir):
         torch.testing.assert_close(recomputed[name], kept[name], rtol=1e-5, atol=1e-7)
 
 
-def test_shared_prefix_length_stops_before_the_first_trained_token():
-    from atelier.distributed import shared_prefix_length
+def test_prefix_forest_shares_runs_of_the_minimum_length_and_stops_before_a_split():
+    from atelier.rl.prefix_tree import positions_run, prefix_forest
 
-    a, b = list(range(100)), list(range(90)) + [7] * 10
-    assert shared_prefix_length([a, b], [[0] * 100, [0] * 100]) == 90
-    assert shared_prefix_length([a, b], [[0] * 100, [0] * 80 + [1] * 20]) == 79   # token 80's logprob reads position 79
-    assert shared_prefix_length([a, a], [[0] * 100, [0] * 100]) == 99             # every sequence keeps a token
-    assert shared_prefix_length([a], [[0] * 100]) == 0                            # one sequence: nothing to share
-    assert shared_prefix_length([a, b], [[0] * 100, [0] * 30 + [1] * 70]) == 0    # below the minimum
+    prompt = list(range(100))
+    a = prompt + [1] * 80 + [5, 6]          # a and b share 180 tokens, c only the prompt
+    b = prompt + [1] * 80 + [7, 8, 9]
+    c = prompt + [2] * 10
+    nodes, leaves = prefix_forest([a, b, c], minimum=64)
+    assert leaves == []
+    (root,) = nodes
+    # the root feeds 0..98 and reads token 99's logprob last: token 100 is the first the continuations differ in
+    assert (root.start, root.end, root.members, root.leaves) == (0, 99, [0, 1, 2], [2])
+    (pair,) = root.children
+    assert (pair.start, pair.end, pair.members, pair.leaves, pair.children) == (99, 179, [0, 1], [0, 1], [])
+    assert positions_run((nodes, leaves), [182, 183, 110]) == 99 + 80 + (182 - 179) + (183 - 179) + (110 - 99)
+    # below the minimum nothing is shared; a lone sequence is a leaf; a sequence inside another is covered
+    assert prefix_forest([a, b, c], minimum=200) == ([], [0, 1, 2])
+    assert prefix_forest([a]) == ([], [0])
+    nodes, leaves = prefix_forest([a, a[:150]], minimum=64)
+    assert leaves == [] and (nodes[0].start, nodes[0].end, nodes[0].leaves) == (0, 149, [0])
 
 
 def test_each_cpu_step_hands_back_the_heap_it_freed(tiny_model_dir, monkeypatch):

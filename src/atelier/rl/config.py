@@ -110,16 +110,18 @@ class TrainerConfig(AtelierConfig):
     still learns (atelier.moe.replay). Positions without a record route freely (see
     atelier.harness.trajectory). Needs inference.engine = "builtin"."""
     share_prefix: bool = True
-    """Run the tokens every sample of a step begins with (the harness's system prompt) forward and
-    backward once per step instead of once per sample: the same step up to rounding, at 45% of the
-    tokens and 1.67x the speed on the demo's rollouts (benchmarks/train.py --shared-prefix). One
-    rank without a MoE router; elsewhere every sample runs whole."""
+    """Run each run of tokens that several samples of a step share forward and backward once
+    (atelier.rl.prefix_tree): the system prompt once a step, a group's task and the turns its
+    members sampled alike once a group, each member's own tokens after them. The same step up to
+    rounding; on the demo's rollouts a step of 2 groups of 6 fed 5,804 positions instead of
+    25,745 and took 58.2 s instead of 98.6 with only the system prompt shared (benchmarks/RESULTS.md).
+    One rank without a MoE router; elsewhere every sample runs whole."""
     recompute_prefix: bool = True
-    """With share_prefix: run the shared prefix forward without keeping its activations, and again
-    for its backward at the end of the step (activation checkpointing of the prefix alone). The
-    same step, up to rounding; lowers the step's peak by the prefix's activations for one more
-    prefix forward (benchmarks/train.py --shared-prefix). Not with activation_checkpointing, under
-    which the prefix's graph holds only its layers' inputs."""
+    """With share_prefix: run each shared run forward without keeping its activations, and again
+    for its backward once its continuations are done (activation checkpointing of the runs alone).
+    The same step, up to rounding; lowers the step's peak by the runs' activations for one more
+    forward of each (benchmarks/train.py --shared-prefix). Not with activation_checkpointing,
+    under which a run's graph holds only its layers' inputs."""
     logprob_chunk: int = Field(512, ge=1)
     """Tokens per chunk of the logprob/entropy computation, counted over the whole micro-batch
     (atelier.kernels.logprobs; memory: a few fp32 [chunk, V] blocks, whatever the micro-batch)."""

@@ -15,6 +15,12 @@ Logprobs are those of log_softmax(logits / temperature), the same quantity
 the engine reports (see atelier.inference.sampling), computed in chunks of
 `logprob_chunk` tokens so no fp32 [B, T, V] is ever held.
 
+On one rank (`share_prefix`), the step walks the tree of token runs its
+samples share (`atelier.rl.prefix_tree`): each run is fed once over its
+parent's keys and values, its trained tokens' loss is every member's own
+terms on its one logprob per token, and each sample's own tail is fed last
+(`positions_run` against `positions_whole` in the metrics).
+
 With `trainer.ranks = N` every rank builds a `Trainer` and calls
 `train_step` with the *same* list of samples (the launcher broadcasts it):
 each rank trains the share `atelier.distributed.step_plan` gives it (token-
@@ -44,10 +50,41 @@ from atelier.fsio import crash_point
 from atelier.rl.config import TrainerConfig
 from atelier.moe.metrics import sampler_mismatch
 from atelier.rl.loss import LossInputs, policy_loss
+from atelier.rl.prefix_tree import PrefixNode, positions_run, prefix_forest
 from atelier.rl.sample import Sample
 
 METRIC_SUMS = ("loss", "tokens", "is_weight_mean", "is_truncated_frac", "kl_k1", "sampler_mismatch", "entropy",
                "sampler_k1", "route_rows", "route_matches")
+
+
+class _StepSums:
+    """A step's loss metrics, summed over micro-batches and runs (each tokens-weighted)."""
+
+    def __init__(self) -> None:
+        self.sums: Counter[str] = Counter()
+        self.ratio_max, self.neg_ratio_min, self.mismatch_max = 0.0, float("-inf"), 0.0
+
+    def add(self, logp_BT: torch.Tensor, ent_BT: torch.Tensor | None, batch: dict[str, torch.Tensor],
+            ref_BT: torch.Tensor | None, cfg: TrainerConfig, count_metrics: bool = True) -> torch.Tensor:
+        """The loss of these rows (`batch`: mask, mu, adv), its metrics added unless `count_metrics`
+        is off (the same rows' loss computed again for a recomputed backward)."""
+        loss, m = policy_loss(LossInputs(logp_BT, batch["mu"], batch["adv"], batch["mask"], ref_BT),
+                              is_cap=cfg.is_cap, kl_beta=cfg.kl_beta, norm_tokens=cfg.norm_tokens)
+        if not count_metrics:
+            return loss
+        tok = m["tokens"]
+        self.sums["loss"] += m["loss"]
+        self.sums["tokens"] += tok
+        for key in ("is_weight_mean", "is_truncated_frac", "kl_k1", "sampler_mismatch"):
+            self.sums[key] += m[key] * tok
+        self.sums["entropy"] += float((ent_BT * batch["mask"]).sum())
+        if tok:
+            mm = sampler_mismatch(logp_BT, batch["mu"], batch["mask"], cfg.is_cap)
+            self.sums["sampler_k1"] += mm["mismatch_k1"] * tok
+            self.mismatch_max = max(self.mismatch_max, mm["mismatch_abs_max"])
+            self.ratio_max = max(self.ratio_max, m["is_ratio_max"])
+            self.neg_ratio_min = max(self.neg_ratio_min, -m["is_ratio_min"])
+        return loss
 
 
 def token_logprobs(model, ids_BT: torch.Tensor, attn_BT: torch.Tensor, temperature: float,
@@ -120,92 +157,119 @@ class Trainer:
         if self.cfg.kl_beta == 0.0:
             samples = [s for s in samples if s.advantage != 0.0]
         self.optimizer.zero_grad(set_to_none=True)
-        sums: Counter[str] = Counter()
-        ratio_max, neg_ratio_min, mismatch_max = 0.0, float("-inf"), 0.0
-        prefix_len = self._shared_prefix_length(samples)
-        if prefix_len:
-            prefix_ids = samples[0].token_ids[:prefix_len]
-            samples = [s.suffix(prefix_len) for s in samples]
-        plan = D.step_plan([len(s.token_ids) for s in samples], self.ranks.world, self.ranks.rank,
-                           self.cfg.micro_batch)
+        totals = _StepSums()
+        forest = self._forest(samples)
         with D.named_failure(f"trainer step {self.step + 1}"):
             with D.compute_weights([self.head, self.ref], self.ranks, self.precision):
-                prefix = ref_prefix = None
-                if prefix_len:
-                    ids_1P = torch.tensor([prefix_ids], device=self.ranks.device)
-                    # with every layer checkpointed, the prefix's graph holds only its layers' inputs:
-                    # recomputing it whole as well would only add a forward
-                    prefix = self.head.encode_prefix(ids_1P, recompute=self.cfg.recompute_prefix
-                                                     and not self.cfg.activation_checkpointing)
-                    if self.ref is not None:
-                        with torch.no_grad():
-                            ref_prefix = self.ref.encode_prefix(ids_1P)
-                for indices in plan:
-                    batch = self._collate([samples[i] for i in indices])
-                    routes = self._routes(samples, indices, batch["ids"].shape[1])
-                    with self._replaying(routes):
-                        logp_BT, ent_BT = self.head(batch["ids"], batch["attn"], self.temperature, True, prefix)
-                        ref_BT = None
-                        if self.ref is not None:
-                            with torch.no_grad():
-                                ref_BT, _ = self.ref(batch["ids"], batch["attn"], self.temperature,
-                                                     prefix=ref_prefix)
-                    loss, m = policy_loss(LossInputs(logp_BT, batch["mu"], batch["adv"], batch["mask"], ref_BT),
-                                          is_cap=self.cfg.is_cap, kl_beta=self.cfg.kl_beta,
-                                          norm_tokens=self.cfg.norm_tokens)
-                    (loss * D.grad_scale(self.ranks)).backward()
-                    tok = m["tokens"]
-                    sums["loss"] += m["loss"]
-                    sums["tokens"] += tok
-                    for key in ("is_weight_mean", "is_truncated_frac", "kl_k1", "sampler_mismatch"):
-                        sums[key] += m[key] * tok
-                    sums["entropy"] += float((ent_BT * batch["mask"]).sum())
-                    self._count_experts(batch["attn"])
-                    rows, matches = self._route_agreement(routes, batch["attn"])
-                    sums["route_rows"] += rows
-                    sums["route_matches"] += matches
-                    if tok:
-                        mm = sampler_mismatch(logp_BT, batch["mu"], batch["mask"], self.cfg.is_cap)
-                        sums["sampler_k1"] += mm["mismatch_k1"] * tok
-                        mismatch_max = max(mismatch_max, mm["mismatch_abs_max"])
-                        ratio_max = max(ratio_max, m["is_ratio_max"])
-                        neg_ratio_min = max(neg_ratio_min, -m["is_ratio_min"])
-                if prefix is not None:
-                    prefix.backward()
+                self._train_forest(samples, *forest, None, None, totals)
             crash_point("trainer.after_backward")   # mid-step: gradients reduced, no step taken
             grad_norm = D.clip_grad_norm(self.head.parameters(), self.cfg.max_grad_norm)
             self.optimizer.step()
-            totals = dict(zip(METRIC_SUMS, D.all_reduce_sum([sums[k] for k in METRIC_SUMS], self.ranks)))
+            sums = dict(zip(METRIC_SUMS, D.all_reduce_sum([totals.sums[k] for k in METRIC_SUMS], self.ranks)))
             ratio_max, neg_ratio_min, mismatch_max, peak_gb = D.all_reduce_max(
-                [ratio_max, neg_ratio_min, mismatch_max, D.peak_memory_gb(self.ranks.device)], self.ranks)
+                [totals.ratio_max, totals.neg_ratio_min, totals.mismatch_max, D.peak_memory_gb(self.ranks.device)],
+                self.ranks)
         if self.ranks.device.type == "cpu":
             D.trim_freed_memory()   # the step's freed heap memory does not pile up under the next
         staleness = staleness_counts(all_samples, self.step)
         self.step += 1
-        n_tokens = totals["tokens"]
+        n_tokens = sums["tokens"]
         n = max(n_tokens, 1.0)
         seconds = time.perf_counter() - start
+        lengths = [len(s.token_ids) for s in samples]
         return {
-            "loss": totals["loss"], "grad_norm": grad_norm, "train_tokens": n_tokens,
+            "loss": sums["loss"], "grad_norm": grad_norm, "train_tokens": n_tokens,
             "train_seconds": seconds, "train_tokens_per_s": n_tokens / seconds if seconds else 0.0,
-            "is_weight_mean": totals["is_weight_mean"] / n, "is_truncated_frac": totals["is_truncated_frac"] / n,
+            "is_weight_mean": sums["is_weight_mean"] / n, "is_truncated_frac": sums["is_truncated_frac"] / n,
             "is_ratio_max": ratio_max if n_tokens else 1.0, "is_ratio_min": -neg_ratio_min if n_tokens else 1.0,
-            "kl_k1": totals["kl_k1"] / n, "sampler_mismatch": totals["sampler_mismatch"] / n,
-            "sampler_mismatch_max": mismatch_max, "sampler_k1": totals["sampler_k1"] / n,
-            "entropy": totals["entropy"] / n, "staleness_hist": {str(k): v for k, v in sorted(staleness.items())},
+            "kl_k1": sums["kl_k1"] / n, "sampler_mismatch": sums["sampler_mismatch"] / n,
+            "sampler_mismatch_max": mismatch_max, "sampler_k1": sums["sampler_k1"] / n,
+            "entropy": sums["entropy"] / n, "staleness_hist": {str(k): v for k, v in sorted(staleness.items())},
             "staleness_max": max(staleness) if staleness else 0, "ranks": self.ranks.world,
-            "skipped_zero_advantage": len(all_samples) - len(samples), "shared_prefix_tokens": prefix_len,
+            "skipped_zero_advantage": len(all_samples) - len(samples),
+            "positions_whole": sum(lengths), "positions_run": positions_run(forest, lengths),
             "peak_memory_gb": round(peak_gb, 3),
             **self.moe_metrics(),
-            **({"routes_match_frac": totals["route_matches"] / totals["route_rows"],
-                "routes_recorded": int(totals["route_rows"])} if totals["route_rows"] else {}),
+            **({"routes_match_frac": sums["route_matches"] / sums["route_rows"],
+                "routes_recorded": int(sums["route_rows"])} if sums["route_rows"] else {}),
         }
 
-    def _shared_prefix_length(self, samples: list[Sample]) -> int:
-        """Tokens of this step to run once for all samples (`trainer.share_prefix`); 0: none."""
+    def _forest(self, samples: list[Sample]) -> tuple[list[PrefixNode], list[int]]:
+        """The runs of tokens this step feeds once for the samples that share them
+        (`trainer.share_prefix`; atelier.rl.prefix_tree); without sharing, every sample is a leaf."""
         if not self.cfg.share_prefix or self.ranks.sharded or self.routing is not None:
-            return 0
-        return D.shared_prefix_length([s.token_ids for s in samples], [s.loss_mask for s in samples])
+            return [], list(range(len(samples)))
+        return prefix_forest([s.token_ids for s in samples])
+
+    def _train_forest(self, samples: list[Sample], nodes: list[PrefixNode], leaves: list[int],
+                      parent: D.SharedPrefix | None, ref_parent: D.SharedPrefix | None, totals: _StepSums) -> None:
+        """Forward and backward of `leaves` (each from the parent's end on) and of every node's run
+        and then its continuations, depth first; a node's backward follows its continuations'."""
+        begin = parent.length if parent is not None else 0
+        tails = [samples[i].suffix(begin) if begin else samples[i] for i in leaves]
+        # a step with no sample still runs step_plan's placeholder on every rank (ranks > 1 step together)
+        plan = D.step_plan([len(s.token_ids) for s in tails], self.ranks.world, self.ranks.rank,
+                           self.cfg.micro_batch) if tails or not (nodes or parent) else []
+        for indices in plan:
+            self._train_micro_batch(tails, indices, parent, ref_parent, totals)
+        # with every layer checkpointed, a run's graph holds only its layers' inputs: recomputing it
+        # whole as well would only add a forward
+        recompute = self.cfg.recompute_prefix and not self.cfg.activation_checkpointing
+        for node in nodes:
+            ids_1P = torch.tensor([samples[node.members[0]].token_ids[node.start:node.end + 1]],
+                                  device=self.ranks.device)
+            labels = self._node_labels(samples, node)
+            run = self.head.encode_prefix(ids_1P[:, :-1], recompute, parent=parent,
+                                          labels_1P=ids_1P[:, 1:] if labels else None, temperature=self.temperature)
+            ref_run = None
+            if self.ref is not None:
+                with torch.no_grad():
+                    ref_run = self.ref.encode_prefix(ids_1P[:, :-1], parent=ref_parent,
+                                                     labels_1P=ids_1P[:, 1:] if labels else None,
+                                                     temperature=self.temperature)
+            loss_of = None
+            if labels:
+                # every member's own loss terms on the run's one logprob per token (a sum over members:
+                # the gradient of each member's copy, added up); metrics from the forward's logprobs, the
+                # loss from those the backward reads (recomputed under `recompute`)
+                ref_1P = ref_run.logprobs_1P if ref_run is not None else None
+                rows = lambda t: None if t is None else t.expand(len(node.members), -1)   # noqa: E731
+                totals.add(rows(run.logprobs_1P.detach()), rows(run.entropy_1P), labels, rows(ref_1P), self.cfg)
+
+                def loss_of(logp_1P: torch.Tensor, labels=labels, ref_1P=ref_1P, rows=rows) -> torch.Tensor:
+                    loss = totals.add(rows(logp_1P), None, labels, rows(ref_1P), self.cfg, count_metrics=False)
+                    return loss * D.grad_scale(self.ranks)
+            self._train_forest(samples, node.children, node.leaves, run, ref_run, totals)
+            run.backward(loss_of)
+
+    def _node_labels(self, samples: list[Sample], node: PrefixNode) -> dict[str, torch.Tensor] | None:
+        """The loss inputs of a node's labels (the tokens at start+1..end) for each member; None when
+        no member trains any of them (the system prompt, a task)."""
+        window = slice(node.start + 1, node.end + 1)
+        members = [samples[i] for i in node.members]
+        if not any(any(s.loss_mask[window]) for s in members):
+            return None
+        dev = self.ranks.device
+        return {"mask": torch.tensor([s.loss_mask[window] for s in members], dtype=torch.float32, device=dev),
+                "mu": torch.tensor([s.logprobs[window] for s in members], dtype=torch.float32, device=dev),
+                "adv": torch.tensor([s.advantage for s in members], dtype=torch.float32, device=dev)}
+
+    def _train_micro_batch(self, samples: list[Sample], indices: list[int], prefix: D.SharedPrefix | None,
+                           ref_prefix: D.SharedPrefix | None, totals: _StepSums) -> None:
+        batch = self._collate([samples[i] for i in indices])
+        routes = self._routes(samples, indices, batch["ids"].shape[1])
+        with self._replaying(routes):
+            logp_BT, ent_BT = self.head(batch["ids"], batch["attn"], self.temperature, True, prefix)
+            ref_BT = None
+            if self.ref is not None:
+                with torch.no_grad():
+                    ref_BT, _ = self.ref(batch["ids"], batch["attn"], self.temperature, prefix=ref_prefix)
+        loss = totals.add(logp_BT, ent_BT, batch, ref_BT, self.cfg)
+        (loss * D.grad_scale(self.ranks)).backward()
+        self._count_experts(batch["attn"])
+        rows, matches = self._route_agreement(routes, batch["attn"])
+        totals.sums["route_rows"] += rows
+        totals.sums["route_matches"] += matches
 
     def _routes(self, samples: list[Sample], indices, T: int) -> torch.Tensor | None:
         """The sampler's experts for this micro-batch's flattened [B * T, L, k] positions (-1: none);
