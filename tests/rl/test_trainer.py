@@ -142,6 +142,36 @@ def test_zero_advantage_samples_are_not_run_and_change_nothing(tiny_model_dir):
     assert trainer.train_step(samples)["skipped_zero_advantage"] == 0
 
 
+@pytest.mark.parametrize("scale", [0.0, 0.25])
+def test_negative_advantage_scale_trains_negatives_at_that_weight(tiny_model_dir, scale):
+    """`negative_advantage_scale` takes the step of the same samples with every negative advantage
+    multiplied by it, positives untouched; at 0 the samples below their group's mean are not run."""
+    from dataclasses import replace
+
+    from atelier.rl.advantages import weighted_advantage
+
+    g = torch.Generator().manual_seed(5)
+    samples = [Sample(torch.randint(0, 256, (9,), generator=g).tolist(), [0] + [1] * 8, [0.0] + [-3.0] * 8,
+                      [-1] + [0] * 8, adv, "g", "t") for adv in (0.5, -0.3, -0.2, 0.0)]
+    rescaled = [replace(s, advantage=s.advantage * scale if s.advantage < 0 else s.advantage) for s in samples]
+    out = []
+    for batch, cfg_scale in ((samples, scale), (rescaled, 1.0), (samples, 1.0)):
+        trainer = Trainer(tiny_model_dir, TrainerConfig(precision="fp32", norm_tokens=16.0, lr=1e-3,
+                                                        negative_advantage_scale=cfg_scale))
+        out.append((trainer.train_step(batch), trainer.model.state_dict()))
+    (m_scaled, w_scaled), (m_manual, w_manual), (_, w_reference) = out
+    for k in w_scaled:
+        torch.testing.assert_close(w_scaled[k], w_manual[k], rtol=0, atol=0)
+    assert any(not torch.equal(w_scaled[k], w_reference[k]) for k in w_scaled)   # the knob did something
+    assert m_scaled["skipped_zero_advantage"] == (3 if scale == 0.0 else 1)
+    assert m_scaled["loss"] == m_manual["loss"]
+    assert weighted_advantage(-0.4, 0.5) == -0.2 and weighted_advantage(0.4, 0.0) == 0.4
+    with pytest.raises(ValueError, match="negative_scale"):
+        weighted_advantage(-1.0, 1.5)
+    with pytest.raises(ValueError):
+        TrainerConfig(negative_advantage_scale=-0.1)
+
+
 def group_samples(seed: int = 4) -> list[Sample]:
     """Two groups of three after one system prompt (70 tokens): each group its own task, then a turn
     its members sampled alike (66 trained tokens) and a tool result, then each member's own sampled

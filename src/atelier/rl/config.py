@@ -74,6 +74,11 @@ class TrainerConfig(AtelierConfig):
     """C in the truncated importance weight min(pi/mu, C)."""
     kl_beta: float = Field(0.0, ge=0)
     """k1 KL coefficient; 0 never loads the reference model."""
+    negative_advantage_scale: float = Field(1.0, ge=0, le=1)
+    """What a sample whose reward is below its group's mean is trained with: its advantage times
+    this (atelier.rl.advantages.weighted_advantage). 1 is the reference's reward minus the group
+    mean; 0 trains only the samples that beat their group (with kl_beta = 0 the others are not
+    run), each still weighted by how far it beat the mean. Samples above the mean are never scaled."""
     norm_tokens: float = Field(1024.0, gt=0)
     """The constant the summed token loss is divided by."""
     micro_batch: int = Field(8, ge=1)

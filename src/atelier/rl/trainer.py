@@ -8,7 +8,8 @@ the *current* weights (never reusing the sampler's — PITFALLS: setting old
 logprobs equal to rollout logprobs made the correction a no-op), computes
 the loss of `atelier.rl.loss` against the sampler's logprobs, and steps.
 With `kl_beta = 0` a sample whose advantage is 0 (every member of a
-zero-variance group) adds exactly nothing to the loss or its gradient, so it
+zero-variance group; with `negative_advantage_scale = 0`, every sample below
+its group's mean) adds exactly nothing to the loss or its gradient, so it
 is not run at all (`skipped_zero_advantage` counts them): on a CPU a forward
 and backward of a 2,000-token rollout costs tens of seconds.
 Logprobs are those of log_softmax(logits / temperature), the same quantity
@@ -40,6 +41,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,7 @@ import torch
 
 from atelier import distributed as D
 from atelier.fsio import crash_point
+from atelier.rl.advantages import weighted_advantage
 from atelier.rl.config import TrainerConfig
 from atelier.moe.metrics import sampler_mismatch
 from atelier.rl.loss import LossInputs, policy_loss
@@ -154,6 +157,9 @@ class Trainer:
         """One optimizer step over `samples` (the same list on every rank); returns metrics."""
         start = time.perf_counter()
         all_samples = samples
+        if self.cfg.negative_advantage_scale != 1.0:
+            samples = [replace(s, advantage=weighted_advantage(s.advantage, self.cfg.negative_advantage_scale))
+                       for s in samples]
         if self.cfg.kl_beta == 0.0:
             samples = [s for s in samples if s.advantage != 0.0]
         self.optimizer.zero_grad(set_to_none=True)
