@@ -12,6 +12,7 @@ from atelier.cli import main as cli
 from atelier.errors import AtelierError
 from atelier.inference.engine import LocalEngine
 from atelier.inference.types import SamplingParams
+from atelier.rl.advantages import weighted_advantage
 from atelier.rl.config import TrainerConfig
 from atelier.rl.sample import Sample
 from atelier.rl.trainer import Trainer, token_logprobs
@@ -146,14 +147,10 @@ def test_zero_advantage_samples_are_not_run_and_change_nothing(tiny_model_dir):
 def test_negative_advantage_scale_trains_negatives_at_that_weight(tiny_model_dir, scale):
     """`negative_advantage_scale` takes the step of the same samples with every negative advantage
     multiplied by it, positives untouched; at 0 the samples below their group's mean are not run."""
-    from dataclasses import replace
-
-    from atelier.rl.advantages import weighted_advantage
-
     g = torch.Generator().manual_seed(5)
     samples = [Sample(torch.randint(0, 256, (9,), generator=g).tolist(), [0] + [1] * 8, [0.0] + [-3.0] * 8,
                       [-1] + [0] * 8, adv, "g", "t") for adv in (0.5, -0.3, -0.2, 0.0)]
-    rescaled = [replace(s, advantage=s.advantage * scale if s.advantage < 0 else s.advantage) for s in samples]
+    rescaled = [dataclasses.replace(s, advantage=s.advantage * scale if s.advantage < 0 else s.advantage) for s in samples]
     out = []
     for batch, cfg_scale in ((samples, scale), (rescaled, 1.0), (samples, 1.0)):
         trainer = Trainer(tiny_model_dir, TrainerConfig(precision="fp32", norm_tokens=16.0, lr=1e-3,

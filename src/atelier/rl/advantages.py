@@ -28,15 +28,12 @@ def weighted_advantage(advantage: float, negative_scale: float) -> float:
     """The advantage the trainer uses: a negative one times `negative_scale` (in [0, 1]), a
     positive one as it is (`trainer.negative_advantage_scale`).
 
-    Why a recipe may turn the negative side down: at a peaked policy (the demo's SFT warm start
-    samples at about 0.035 nats a token) a negative advantage lowers the sampled tokens of a
-    failed attempt and hands their probability to every other token, where a positive one
-    sharpens what worked. In the demo that spreading showed on held-out attempts: after RL, up to
-    8 of 32 no longer called the edit tool at their last turn (grep with edit arguments, or an
-    invented tool), against at most 2 after SFT (recipes/demo.md, "Training on the samples that
+    Why a recipe may turn the negative side down: at a peaked policy a negative advantage lowers
+    the sampled tokens of a failed attempt and hands their probability to every other token,
+    where a positive one sharpens what worked (in the demo, RL with every advantage moved held-out
+    attempts off the edit tool at their last turn: recipes/demo.md, "Training on the samples that
     beat their group"). At 0 the step is the policy gradient on the samples above their group's
-    mean alone, the mean still their baseline: rejection-sampling fine-tuning weighted by
-    advantage.
+    mean alone, the mean still their baseline: rejection-sampling fine-tuning weighted by advantage.
     """
     if not 0.0 <= negative_scale <= 1.0:
         raise ValueError(f"negative_scale must be in [0, 1], got {negative_scale}")
