@@ -11,7 +11,7 @@ import pytest
 
 from atelier.pipeline.config import RunConfig
 from atelier.pipeline.stages import (PipelineError, _Context, _Ledger, _write_splits, choose_held_out, hold_apart,
-                                     split_by_file, task_files)
+                                     split_by_file, split_tasks, task_files)
 from atelier.tasks.schema import PythonEnv, TaskError, TaskLimits, TaskMetadata, TaskSpec
 from atelier.tasks.writer import write_task
 
@@ -38,12 +38,12 @@ def _suite(root: Path) -> Path:
     return suite
 
 
-def _context(run_dir: Path, suite: Path, **sft) -> _Context:
+def _context(run_dir: Path, suite: Path, rl_only: tuple[str, ...] = (), **sft) -> _Context:
     config = RunConfig.model_validate({
         "tasks": {"package": "pkg", "path": "repo", "count": 8, "test_count": 1},
         "headline": {"min_attempts": 1}, "sft": sft})
     ledger = _Ledger(run_dir)
-    ledger.done["tasks"] = {"dir": str(suite)}
+    ledger.done["tasks"] = {"dir": str(suite), **({"rl_only": list(rl_only)} if rl_only else {})}
     return _Context(config, run_dir, run_dir, print, ledger)
 
 
@@ -92,6 +92,44 @@ def test_sft_and_rl_divide_the_train_split_by_file(tmp_path: Path, suite: Path) 
     # Deterministic: a new context (a resumed run, the rl stage's own process) chooses the same.
     again = _context(tmp_path, suite, tasks=3)
     assert {t.id for t in again.train_tasks("sft")} == sft and {t.id for t in again.train_tasks("rl")} == rl
+
+
+@pytest.mark.parametrize("split", ["file", "random"])
+def test_tasks_built_for_rl_alone_leave_the_held_out_split_as_it_was(split: str) -> None:
+    """`tasks.rl_extra`: the first `count` tasks in build order are split as if nothing more were
+    built; of the rest, a split by file leaves out the one sharing the held-out task's file."""
+    first = ["a1", "b1", "c1", "d1"]
+    extra = ["a2", "b2", "c2", "d2", "x1"]
+    files = {t: {f"pkg/{t[0]}.py"} for t in first + extra}
+
+    def config(rl_extra: int) -> RunConfig:
+        return RunConfig.model_validate({"tasks": {"package": "pkg", "path": "repo", "count": 4, "test_count": 1,
+                                                   "rl_extra": rl_extra, "split": split, "seed": 3},
+                                         "headline": {"min_attempts": 1}})
+
+    alone, none = split_tasks(first, files, config(0))
+    test, rl_only = split_tasks(first + extra, files, config(5))
+    assert test == alone and len(test) == 1 and none == []
+    if split == "file":
+        (held,) = test
+        assert rl_only == [t for t in extra if t[0] != held[0]] and len(rl_only) == 4
+    else:
+        assert rl_only == extra
+
+
+def test_tasks_for_rl_alone_join_rl_and_leave_sfts_division_as_it_was(tmp_path: Path, suite: Path) -> None:
+    """"e1" built for RL alone: SFT's side and RL's own side are those of a run without it."""
+    rest = set(FILES) - {"t1", "e1"}
+    for sft in ({"tasks": 3}, {}):
+        context = _context(tmp_path, suite, ("e1",), **sft)
+        sft_side = {t.id for t in context.train_tasks("sft")}
+        rl_side = {t.id for t in context.train_tasks("rl")}
+        assert "e1" not in sft_side and "e1" in rl_side and sft_side <= rest
+        if sft:
+            assert sft_side == hold_apart({t: {FILES[t]} for t in rest}, 3, 0, "file")
+            assert rl_side == rest - sft_side | {"e1"} and set(context.rl_env().tasks.tasks) == rl_side
+        else:
+            assert sft_side == rest and rl_side == rest | {"e1"}
 
 
 def test_without_sft_tasks_both_stages_take_the_whole_train_split(tmp_path: Path, suite: Path) -> None:

@@ -34,7 +34,14 @@ class TasksStage(AtelierConfig):
     """A local repository instead of PyPI (relative paths: from the recipe file)."""
     seed: int = 0
     count: int = Field(16, ge=2)
-    """Tasks built in all."""
+    """Tasks built and split between train and held-out test."""
+    rl_extra: int = Field(0, ge=0)
+    """More tasks built after the first `count`, for RL alone. The held-out
+    split and SFT's tasks are chosen from the first `count` exactly as
+    without them (a mutation search builds the same tasks first), so RL
+    gets more tasks while the evaluations keep theirs. With `split = "file"`
+    an extra task that shares a source file with a held-out task is left
+    out, so the split's promise holds for them too."""
     test_count: int = Field(6, ge=1)
     """Tasks held out for evaluation; the rest train."""
     timeout_s: float = Field(120.0, gt=0)

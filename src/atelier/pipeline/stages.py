@@ -54,7 +54,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from atelier.compat import tomllib
 from atelier.config import dump_config
@@ -318,7 +318,7 @@ class _Context:
         from atelier.tasks.suite_build import build_suite, summarize_drops
 
         t = self.config.tasks
-        entry = MutationEntry(package=t.package, version=t.version, path=t.path, seed=t.seed, count=t.count,
+        entry = MutationEntry(package=t.package, version=t.version, path=t.path, seed=t.seed, count=t.count + t.rl_extra,
                               timeout_s=t.timeout_s, split="train", max_mutations=t.max_mutations)
         spec = Spec(SuiteSpec(name=f"run-{t.package}", runs=t.validate_runs, mutation=[entry]), self.recipe_dir / "recipe.toml")
         out = self.run_dir / "tasks"
@@ -326,31 +326,40 @@ class _Context:
                             progress=lambda n, msg: self.say(f"  tasks: {msg}"))
         for line in summarize_drops(build.entries):
             self.say(f"  {line}")
-        ids = sorted(build.entries[0].tasks) if build.entries else []
-        if len(ids) <= t.test_count:
-            raise PipelineError(f"only {len(ids)} tasks were built from {t.package}, and {t.test_count} are "
+        built = build.entries[0].tasks if build.entries else []
+        if len(built[:t.count]) <= t.test_count:
+            raise PipelineError(f"only {len(built)} tasks were built from {t.package}, and {t.test_count} are "
                                 "to be held out for testing", hint="raise tasks.count, lower tasks.test_count, "
                                 f"or see {out / 'build-report.json'} for what was dropped and why")
         from atelier.tasks.loader import load_suite
 
-        test = choose_held_out({task.id: task_files(task) for task in load_suite(out)}, self.config)
-        _write_splits(out, {i: "test" if i in test else "train" for i in ids})
-        return {"dir": str(out), "train": len(ids) - len(test), "test": len(test), "split": t.split}
+        files = {task.id: task_files(task) for task in load_suite(out)}
+        test, rl_only = split_tasks(built, files, self.config)
+        if t.rl_extra:
+            left_out = len(built) - t.count - len(rl_only)
+            self.say(f"  {len(rl_only)} more tasks for RL alone"
+                     + (f"; {left_out} left out, sharing a file with a held-out task" if left_out > 0 else ""))
+        _write_splits(out, {i: "test" if i in test else "train" for i in [*built[:t.count], *rl_only]})
+        return {"dir": str(out), "train": len(built[:t.count]) - len(test) + len(rl_only), "test": len(test),
+                "split": t.split, "rl_only": rl_only}
 
     def train_tasks(self, side: str) -> list[Any]:
         """The train tasks of `side`: "sft" (whose gold is replayed for the warm start) or "rl"
         (which RL trains on). Every train task for both, unless `sft.tasks` divides them."""
         from atelier.tasks.loader import load_suite
 
-        tasks = load_suite(self.output("tasks", "dir"), split="train")
+        train = load_suite(self.output("tasks", "dir"), split="train")
+        rl_only = set(self.ledger.done["tasks"].get("rl_only", ()))   # absent in runs before tasks.rl_extra
+        tasks = [task for task in train if task.id not in rl_only]
+        extra = [task for task in train if task.id in rl_only] if side == "rl" else []
         count, t = self.config.sft.tasks, self.config.tasks
         if count is None:
-            return tasks
+            return tasks + extra
         sft = hold_apart({task.id: task_files(task) for task in tasks}, count, t.seed, t.split)
         if not sft:
             raise PipelineError(f"the {len(tasks)} train tasks cannot be divided between SFT and RL by file: "
                                 "they all share files", hint='set tasks.split = "random", or remove sft.tasks')
-        return [task for task in tasks if (task.id in sft) == (side == "sft")]
+        return [task for task in tasks if (task.id in sft) == (side == "sft")] + extra
 
     # --- evaluation --------------------------------------------------------------
     def open_eval_model(self, model_path: str):
@@ -558,6 +567,22 @@ def task_files(task: Any) -> set[str]:
     from atelier.tasks.swebench import patch_files
 
     return set(patch_files(task.gold_patch))
+
+
+def split_tasks(built: Sequence[str], files: Mapping[str, set[str]], config: RunConfig) -> tuple[set[str], list[str]]:
+    """The held-out task ids and the tasks for RL alone, from the task ids `built` in build
+    order and each one's source files (pure).
+
+    Only the first `tasks.count` are split (`choose_held_out`), so adding
+    `tasks.rl_extra` changes neither side of that split. The rest go to RL
+    alone, but with `tasks.split = "file"` not one sharing a file with a
+    held-out task."""
+    first, rest = list(built[:config.tasks.count]), list(built[config.tasks.count:])
+    test = choose_held_out({i: files[i] for i in first}, config)
+    if config.tasks.split != "file":
+        return test, rest
+    held = set().union(*(files[i] for i in test))
+    return test, [i for i in rest if not files[i] & held]
 
 
 def choose_held_out(files: Mapping[str, set[str]], config: RunConfig) -> set[str]:
