@@ -345,7 +345,8 @@ class _Context:
 
     def train_tasks(self, side: str) -> list[Any]:
         """The train tasks of `side`: "sft" (whose gold is replayed for the warm start) or "rl"
-        (which RL trains on). Every train task for both, unless `sft.tasks` divides them."""
+        (which RL trains on). Every train task for both, unless `sft.tasks` divides them; the
+        tasks built for RL alone (`tasks.rl_extra`) are RL's either way."""
         from atelier.tasks.loader import load_suite
 
         train = load_suite(self.output("tasks", "dir"), split="train")
