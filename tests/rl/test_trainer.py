@@ -150,7 +150,8 @@ def test_negative_advantage_scale_trains_negatives_at_that_weight(tiny_model_dir
     g = torch.Generator().manual_seed(5)
     samples = [Sample(torch.randint(0, 256, (9,), generator=g).tolist(), [0] + [1] * 8, [0.0] + [-3.0] * 8,
                       [-1] + [0] * 8, adv, "g", "t") for adv in (0.5, -0.3, -0.2, 0.0)]
-    rescaled = [dataclasses.replace(s, advantage=s.advantage * scale if s.advantage < 0 else s.advantage) for s in samples]
+    rescaled = [dataclasses.replace(s, advantage=s.advantage * scale if s.advantage < 0 else s.advantage)
+                for s in samples]
     out = []
     for batch, cfg_scale in ((samples, scale), (rescaled, 1.0), (samples, 1.0)):
         trainer = Trainer(tiny_model_dir, TrainerConfig(precision="fp32", norm_tokens=16.0, lr=1e-3,

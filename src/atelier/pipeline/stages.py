@@ -318,8 +318,9 @@ class _Context:
         from atelier.tasks.suite_build import build_suite, summarize_drops
 
         t = self.config.tasks
-        entry = MutationEntry(package=t.package, version=t.version, path=t.path, seed=t.seed, count=t.count + t.rl_extra,
-                              timeout_s=t.timeout_s, split="train", max_mutations=t.max_mutations)
+        entry = MutationEntry(package=t.package, version=t.version, path=t.path, seed=t.seed,
+                              count=t.count + t.rl_extra, timeout_s=t.timeout_s, split="train",
+                              max_mutations=t.max_mutations)
         spec = Spec(SuiteSpec(name=f"run-{t.package}", runs=t.validate_runs, mutation=[entry]), self.recipe_dir / "recipe.toml")
         out = self.run_dir / "tasks"
         build = build_suite(spec, out, only="mutation", backend=t.backend,
@@ -327,8 +328,9 @@ class _Context:
         for line in summarize_drops(build.entries):
             self.say(f"  {line}")
         built = build.entries[0].tasks if build.entries else []
-        if len(built[:t.count]) <= t.test_count:
-            raise PipelineError(f"only {len(built)} tasks were built from {t.package}, and {t.test_count} are "
+        first, extra = built[:t.count], built[t.count:]   # build order: the first are a run without extras
+        if len(first) <= t.test_count:
+            raise PipelineError(f"only {len(first)} tasks were built from {t.package}, and {t.test_count} are "
                                 "to be held out for testing", hint="raise tasks.count, lower tasks.test_count, "
                                 f"or see {out / 'build-report.json'} for what was dropped and why")
         from atelier.tasks.loader import load_suite
@@ -336,11 +338,11 @@ class _Context:
         files = {task.id: task_files(task) for task in load_suite(out)}
         test, rl_only = split_tasks(built, files, self.config)
         if t.rl_extra:
-            left_out = len(built) - t.count - len(rl_only)
+            left_out = len(extra) - len(rl_only)
             self.say(f"  {len(rl_only)} more tasks for RL alone"
-                     + (f"; {left_out} left out, sharing a file with a held-out task" if left_out > 0 else ""))
-        _write_splits(out, {i: "test" if i in test else "train" for i in [*built[:t.count], *rl_only]})
-        return {"dir": str(out), "train": len(built[:t.count]) - len(test) + len(rl_only), "test": len(test),
+                     + (f"; {left_out} left out, sharing a file with a held-out task" if left_out else ""))
+        _write_splits(out, {i: "test" if i in test else "train" for i in [*first, *rl_only]})
+        return {"dir": str(out), "train": len(first) - len(test) + len(rl_only), "test": len(test),
                 "split": t.split, "rl_only": rl_only}
 
     def train_tasks(self, side: str) -> list[Any]:
