@@ -81,6 +81,7 @@ Logprob semantics are those of `atelier.inference.sampling`.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -88,10 +89,12 @@ from typing import Any, Callable
 import torch
 
 from atelier.errors import AtelierError, InfraError
-from atelier.inference.forward import BatchedForward, threads
+from atelier.inference.forward import BatchedForward
 from atelier.inference.models import DEFAULT_KV_CACHE_TOKENS, DEFAULT_PREFIX_CACHE_TOKENS
 from atelier.inference.prefix_cache import BlockPool
 from atelier.inference.sampling import make_generator, sample_rows
+from atelier.inference.threads import StepThreads
+from atelier.inference.threads import threads as running_on
 from atelier.inference.types import Generation, SamplingParams
 
 TokenCallback = Callable[[int, float, int], None]
@@ -216,7 +219,7 @@ class LocalEngine:
 
     `LocalEngine(path, device="cpu", dtype=None, max_batch=32, max_seq_len=None,
     kv_cache_tokens=32768, prefix_cache_tokens=16384, max_prefill_tokens=2048,
-    max_queue=None, batch_invariant=False, decode_threads=1)`.
+    max_queue=None, batch_invariant=False, threads=None, compile=None)`.
     `dtype=None` means bf16 where the hardware has it (see the module docstring).
     `kv_cache_tokens` is the whole KV memory, in token positions; `prefix_cache_tokens`
     bounds how much of it is kept registered for reuse (0: no prefix caching).
@@ -224,12 +227,11 @@ class LocalEngine:
     `max_queue` bounds the requests waiting for admission (None: unbounded).
     `batch_invariant=True`: every request's forwards run alone and nothing is prefix-cached,
     so its results do not depend on what shares the engine (see the module docstring).
-    `decode_threads` (default 1; None: torch's thread count) is how many threads a decode step
-    uses; prefills use torch's. A decode step is some 200 small operations, and on a CPU each
-    multi-threaded one waits for all its threads: when anything else wants a core (the sandboxes
-    an evaluation runs, another process) that wait is a scheduler time slice. Measured on 2
-    cores at load ~13, SmolLM2-135M bf16, batch 16: 1.6 s per step at 300 positions on one
-    thread against 5.3 s on two (and 4x the CPU time, spent spinning).
+    `threads` (None, the default: adaptive) is how many CPU threads a step uses: torch's thread
+    count while the machine has cores to spare, one while something else wants them
+    (`atelier.inference.threads`); an int pins it.
+    `compile` (None, the default: where a compiler is found) builds the decode attention kernel
+    with `torch.compile` at the first step; False runs the same arithmetic eagerly.
     Use as a context manager or call `close()`.
     """
 
@@ -238,9 +240,7 @@ class LocalEngine:
                  version: int = 0, prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
                  kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS, max_prefill_tokens: int = 2048,
                  max_queue: int | None = None, batch_invariant: bool = False,
-                 decode_threads: int | None = 1) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
+                 threads: int | None = None, compile: bool | None = None) -> None:
         if prefix_cache_tokens < 0:
             raise EngineError("prefix_cache_tokens must be >= 0", hint="0 turns the prefix cache off")
         if kv_cache_tokens < KV_BLOCK * 2:
@@ -248,32 +248,20 @@ class LocalEngine:
                               hint="it is the engine's whole KV memory in token positions")
         if max_batch < 1 or max_prefill_tokens < 1 or (max_queue is not None and max_queue < 0):
             raise EngineError("max_batch and max_prefill_tokens must be >= 1, max_queue >= 0")
-        if decode_threads is not None and decode_threads < 1:
-            raise EngineError("decode_threads must be >= 1", hint="or None: torch's thread count")
-        self.decode_threads = decode_threads
+        if threads is not None and threads < 1:
+            raise EngineError("threads must be >= 1", hint="or None: adapt to what else runs")
         path = Path(model_path)
         self.path = path
         self.device = torch.device(device)
         self.dtype = pick_dtype(self.device, dtype)
         self.name = name or path.name
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
         self.max_queue = max_queue
-        blocks = kv_cache_tokens // KV_BLOCK
-        self.kv_cache_tokens = blocks * KV_BLOCK
-        limit = getattr(self.model.config, "max_position_embeddings", None) or 2048
-        self.max_seq_len = min(limit, max_seq_len or limit, self.kv_cache_tokens)
-        self._forward = BatchedForward(self.model, blocks, KV_BLOCK)
         self.batch_invariant = batch_invariant
-        self.pool = BlockPool(blocks, KV_BLOCK, 0 if batch_invariant else prefix_cache_tokens // KV_BLOCK)
         self._epoch = 0  # bumped by every weight update: KV from an older epoch is never cached
         self._admissions = 0
         self._clear_prefix = False
-        self._targets = self.model.state_dict()
-        eos = self.tokenizer.eos_token_id
-        self._default_stop = frozenset([eos] if eos is not None else [])
         self._version = version
         self._cond = threading.Condition()
         self._waiting: list[_Request] = []
@@ -281,11 +269,51 @@ class LocalEngine:
         self._updates: list[_WeightUpdate] = []
         self._closed = False
         # Counters for tests and benchmarks: decode steps run, the largest batch decoded, prompt
-        # tokens computed by prefills and restored from the prefix cache, preemptions, cancels.
+        # tokens computed by prefills and restored from the prefix cache, preemptions, cancels,
+        # the thread count of the last step.
         self.stats = {"steps": 0, "max_batch_seen": 0, "prefills": 0, "prefill_tokens": 0,
-                      "prefix_hit_tokens": 0, "preemptions": 0, "cancelled": 0, "max_waiting": 0}
-        self._thread = threading.Thread(target=self._loop, name=f"engine-{self.name}", daemon=True)
+                      "prefix_hit_tokens": 0, "preemptions": 0, "cancelled": 0, "max_waiting": 0,
+                      "threads": 0}
+        # The model is loaded on the scheduler thread, which then runs every step: all of the
+        # engine's multi-threaded torch work happens on one thread (see `atelier.inference.threads`).
+        loaded: list[BaseException | None] = []
+        ready = threading.Event()
+        load = (path, kv_cache_tokens, prefix_cache_tokens, max_seq_len, compile, threads, loaded, ready)
+        self._thread = threading.Thread(target=self._run, args=load, name=f"engine-{self.name}", daemon=True)
         self._thread.start()
+        ready.wait()
+        if loaded[0] is not None:
+            self._thread.join()
+            raise loaded[0]
+
+    def _load(self, path: Path, kv_cache_tokens: int, prefix_cache_tokens: int, max_seq_len: int | None,
+              compile: bool | None, threads: int | None) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
+        blocks = kv_cache_tokens // KV_BLOCK
+        self.kv_cache_tokens = blocks * KV_BLOCK
+        limit = getattr(self.model.config, "max_position_embeddings", None) or 2048
+        self.max_seq_len = min(limit, max_seq_len or limit, self.kv_cache_tokens)
+        self._forward = BatchedForward(self.model, blocks, KV_BLOCK, compile=compile)
+        self.pool = BlockPool(blocks, KV_BLOCK, 0 if self.batch_invariant else prefix_cache_tokens // KV_BLOCK)
+        self._targets = self.model.state_dict()
+        eos = self.tokenizer.eos_token_id
+        self._default_stop = frozenset([eos] if eos is not None else [])
+        self._threads = StepThreads(threads)
+
+    def _run(self, *load) -> None:
+        *args, loaded, ready = load
+        try:
+            self._load(*args)
+        except BaseException as exc:  # re-raised by __init__, in the caller's thread
+            loaded.append(exc)
+            ready.set()
+            return
+        loaded.append(None)
+        ready.set()
+        self._loop()
 
     # -- public API ---------------------------------------------------------------
     @property
@@ -451,10 +479,17 @@ class LocalEngine:
                     self._end(request, "abort")
                 with self._cond:
                     admitted = self._admit()
-                if admitted:
-                    self._prefill(admitted)
-                if self._active:
-                    self._decode()
+                decode_only = len(self._active) if self._active and not admitted else None
+                n = self._threads.choose(decode_only)
+                self.stats["threads"] = n
+                started = time.perf_counter()
+                with running_on(n):
+                    if admitted:
+                        self._prefill(admitted)
+                    if self._active:
+                        self._decode()
+                if decode_only:
+                    self._threads.record(n, decode_only, time.perf_counter() - started)
             except Exception as exc:  # the batch edge: fail these requests, keep serving
                 for request in {id(r): r for r in self._active + admitted}.values():
                     if not request.done.is_set():
@@ -476,6 +511,7 @@ class LocalEngine:
             with torch.no_grad():
                 for key, value in update.tensors.items():
                     self._targets[key].copy_(value.to(self._targets[key].device))
+            self._forward.refresh_weights()
             self._version = update.version
         except Exception as exc:
             update.error = exc
@@ -564,13 +600,6 @@ class LocalEngine:
             self._waiting.insert(0, request)
 
     def _decode(self) -> None:
-        if self.decode_threads is None:
-            self._decode_step()
-            return
-        with threads(self.decode_threads):
-            self._decode_step()
-
-    def _decode_step(self) -> None:
         self._grow()
         active = self._active
         if self.batch_invariant:

@@ -4,54 +4,36 @@ The engine's scheduler needs two operations that Hugging Face's `forward`
 with a `DynamicCache` makes awkward: *prefill* a few new sequences while
 others are mid-generation, and *decode* one token for every running sequence
 at once, each at its own position. This module runs the model's own
-submodules (embeddings, RMSNorms, projections, MLPs, rotary embedding, LM
-head: so the weights and any `update_weights` live in the HF model) and does
-only the attention and the cache itself.
+submodules (embeddings, RMSNorms, rotary embedding, MoE blocks) and its own
+weights (so `update_weights` lands in the HF model), and does the matrix
+products, the attention and the cache itself.
 
 Cache layout (`PagedKV`): one tensor each for keys and values,
 `[L, Hkv, R, D]` with R = P * S rows, P blocks of S positions, allocated once
 at the engine's budget. A sequence's positions live in the blocks of its
 *block table* (position p in row `table[p // S] * S + p % S`); which blocks a
 sequence owns is the engine's business (`prefix_cache.BlockPool`, which hands
-a sequence consecutive blocks when it can). Prefill runs all new tokens of all
-sequences as one flat batch (no padding) and attends per sequence; decode
-attends per sequence too, straight from the pool.
+a sequence consecutive blocks when it can).
 
-Decode attention reads the cache in place: one head's keys of consecutive
-blocks are one contiguous `[T, D]` stretch of the pool (head-major layout), so
-for a sequence whose blocks are consecutive (what the pool's allocator aims
-for) attention is two matrix products and a softmax over views, with nothing
-padded to the longest sequence and no copy of the cache. A table of a few
-runs (a shared prefix-cache prefix, then the sequence's own blocks) is joined
-into one buffer, many runs are gathered in one op; either way the keys are
-laid out as for one run, so a request's logprobs do not depend on where its
-blocks happen to be. Scores and values are fp32: bf16 keys are widened as
-they are read, which was faster here than bf16 products for 3 query rows per
-head, and more exact. Each row's attention depends on its own sequence only.
+Prefill runs all new tokens of all sequences as one flat batch (no padding)
+for every matrix product and attends per sequence with SDPA's fused kernel:
+causal over its own new keys when it starts at 0, else over its blocks (read
+in place when they are consecutive, gathered otherwise, so a request's
+logprobs do not depend on where its blocks happen to be).
 
-Shared prompts (cascade attention): an agent's sequences begin with the same
-system prompt, and the prefix cache gives them the same blocks for it. Decode
-finds the sequences whose tables begin with the same blocks
-(`shared_prefixes`) and attends all their queries to those keys in one
-product, so the shared keys are read once a step instead of once per
-sequence; each sequence attends to its own positions on its own, and the two
-parts are joined through their softmax maxima and sums (exact up to
-rounding: the logits move as much as batching moves them). On the demo's
-rollouts 1,216 of ~1,950 positions are shared.
+Decode runs the whole batch through every layer with no loop over sequences:
+the batch is sorted by length and cut into groups of alike lengths, and each
+group's attention is one call of `attention.PagedDecodeAttention` (a kernel
+`torch.compile` builds, reading the cache in place through the block tables).
+A decode step only reads the pool while it runs; the new keys and values of
+every layer go in with one `index_copy_` each at the end.
 
-Measured on SmolLM2-135M in bf16, batch 16 at ~3k positions, CPU time per
-layer on this 2-core machine: the earlier design (gather every block table
-into a padded `[B, Hkv, T, D]` copy, then one masked
-`scaled_dot_product_attention`) took 92 ms, 17 of them the gather and most of
-the rest SDPA's CPU kernel, which is slow for one query position; products
-over views take 22 ms.
-
-Cost per decoder layer and step (what makes a step cheap on a CPU, where
-every multi-threaded op pays a synchronisation however small it is): q/k/v
-and gate/up run as one matmul each over fused weights whose slices *are* the
-model's parameters (so `update_weights` needs no extra step), RMSNorm is one
-fused op, and the new keys and values go into the cache with one `index_copy_`
-each (advanced-index assignment was ~100x slower).
+Matrix products: q/k/v and gate/up run as one product each over fused weights
+whose slices *are* the model's parameters (so `update_weights` needs no extra
+step), and every product's weight is kept in the layout the CPU's matrix
+library (oneDNN) computes from (`PackedLinear`), re-laid after every weight
+update. On a CPU with bf16 units that halves the time of a small batch's
+products, with the same bits as `F.linear`.
 
 Shape legend: B batch (sequences), N new tokens in a prefill (all sequences, flat),
 T key positions, L layers, P pool blocks, S positions per block, R = P * S pool
@@ -75,34 +57,24 @@ and `routes(table, n)` gives a sequence's experts for positions 0..n-1
 
 from __future__ import annotations
 
-import contextlib
+import logging
+from functools import partial
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from atelier.errors import AtelierError
+from atelier.inference.attention import COMPILE_ERRORS, PagedDecodeAttention, decode_attention, length_groups
+from atelier.inference.threads import threads  # noqa: F401  (re-exported: rl.run sets its threads with it)
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "mixtral")
 MAX_RUNS = 4
-"""Attention over a block table of more runs than this gathers its rows in one op instead."""
-MIN_SHARED_BLOCKS = 4
-"""Decode attends over a prefix that several sequences share once for all of them when it is at
-least this many blocks long (see `shared_prefixes`)."""
-
-
-@contextlib.contextmanager
-def threads(n: int):
-    """Run the block with torch on `n` threads in the calling thread (torch's thread count is per
-    thread, so other threads, e.g. a trainer's, keep theirs)."""
-    before = torch.get_num_threads()
-    if n == before:
-        yield
-        return
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+"""Prefill attention over a block table of more runs than this gathers its rows in one op instead."""
+PACK_BATCH = 64
+"""The batch size oneDNN is told to lay packed weights out for; any batch size runs on them."""
 
 
 class UnsupportedModel(AtelierError):
@@ -118,12 +90,15 @@ def _rotate(x_BHTD: torch.Tensor, cos_B1TD: torch.Tensor, sin_B1TD: torch.Tensor
     return x_BHTD * cos_B1TD + torch.roll(x_BHTD, x_BHTD.shape[-1] // 2, dims=-1) * sin_B1TD
 
 
-def _norm(norm, x_BTM: torch.Tensor) -> torch.Tensor:
+def _eps(norm) -> float:
+    return getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+
+
+def _norm(weight: torch.Tensor, eps: float, x_BTM: torch.Tensor) -> torch.Tensor:
     """The model's RMSNorm in one fused op (Hugging Face's computes it in fp32, then scales)."""
-    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
     if x_BTM.dtype == torch.float32:
-        return F.rms_norm(x_BTM, (x_BTM.shape[-1],), norm.weight, eps)
-    return norm.weight * F.rms_norm(x_BTM.float(), (x_BTM.shape[-1],), eps=eps).to(x_BTM.dtype)
+        return F.rms_norm(x_BTM, (x_BTM.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x_BTM.float(), (x_BTM.shape[-1],), eps=eps).to(x_BTM.dtype)
 
 
 def _is_moe(mlp) -> bool:
@@ -150,27 +125,57 @@ def _fuse(module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | 
     return fused[0], fused[1]
 
 
-def shared_prefixes(tables: list[list[int]], positions: list[int], block: int) -> list[tuple[list[int], int]]:
-    """Sequences of a decode batch whose block tables begin with the same blocks (prefix-cache
-    hits on one prompt, such as an agent's system prompt), as `(members, blocks shared)`: groups
-    of at least two sharing at least `MIN_SHARED_BLOCKS` blocks, each below every member's current
-    block (the one its new key goes into)."""
-    by_first: dict[int, list[int]] = {}
-    for b, (table, position) in enumerate(zip(tables, positions)):
-        if position // block >= MIN_SHARED_BLOCKS:
-            by_first.setdefault(table[0], []).append(b)
-    groups = []
-    for members in by_first.values():
-        if len(members) < 2:
-            continue
-        first = tables[members[0]]
-        limit = min(positions[b] // block for b in members)
-        shared = 0
-        while shared < limit and all(tables[b][shared] == first[shared] for b in members):
-            shared += 1
-        if shared >= MIN_SHARED_BLOCKS:
-            groups.append((members, shared))
-    return groups
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether oneDNN computes from a packed copy of this weight: a CPU tensor in bf16 on a CPU
+    with bf16 units (where packing measured twice as fast at small batches, bit for bit equal)."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+@torch.library.custom_op("atelier::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's linear over a weight packed by `PackedLinear`. An op of our own so that
+    `torch.compile` calls it as it is: its own lowering of oneDNN's op expects weights it packed
+    itself, as constants, which weights that `update_weights` changes cannot be."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
+
+
+class PackedLinear:
+    """`F.linear(x, weight, bias)`, computed from a copy of `weight` in oneDNN's own layout where
+    `can_pack` (else plainly). `weight` stays the model's tensor: after it changes, `refresh()`."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight, self.bias = weight, bias
+        self.packed: torch.Tensor | None = None
+        self.refresh()
+
+    def refresh(self) -> None:
+        if not can_pack(self.weight):
+            return
+        packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_BATCH)
+        if self.packed is None:
+            self.packed = packed
+        else:   # in place: a compiled step keeps reading the same tensor
+            self.packed.copy_(packed)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the packed copy holds (0 where nothing is packed)."""
+        return 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return packed_linear(x, self.packed, self.bias)
+
+
+def _linear(module) -> PackedLinear:
+    return PackedLinear(module.weight, module.bias)
 
 
 def runs(table: list[int], n: int, block: int) -> list[tuple[int, int]]:
@@ -192,8 +197,8 @@ class PagedKV:
     KV memory, allocated once (zeroed, so any block is safe to read).
 
     Layout `[L, Hkv, R, D]`, row `b * S + o` for offset o of block b: one head's keys of
-    consecutive blocks are one contiguous `[T, D]` stretch, so attention over a run of a block
-    table reads the pool in place (see the module docstring).
+    consecutive blocks are one contiguous `[T, D]` stretch, so prefill reads a run of a block
+    table in place (see the module docstring).
     """
 
     @torch.inference_mode()
@@ -218,10 +223,95 @@ class PagedKV:
         return [table[p // S] * S + p % S for p in range(start, end)]
 
 
-class BatchedForward:
-    """Prefill and decode over a Hugging Face Llama-family causal LM, keys and values in a `PagedKV`."""
+class Layer(NamedTuple):
+    """One decoder layer as the forward runs it: tensors, plain numbers and functions only, so that
+    one compiled graph serves every layer of every engine of a model's shape."""
 
-    def __init__(self, hf_model, kv_blocks: int, block: int, cascade: bool = True) -> None:
+    input_norm: torch.Tensor       # RMSNorm weights
+    post_norm: torch.Tensor
+    eps: float
+    qkv: PackedLinear
+    o: PackedLinear
+    gate_up: PackedLinear | None   # None: an MoE layer, `moe` is its sparse block
+    down: PackedLinear | None
+    act: Callable
+    moe: torch.nn.Module | None
+
+
+class Shape(NamedTuple):
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+    block: int
+
+
+def block(layer: Layer, shape: Shape, x_BTM: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+          attend) -> torch.Tensor:
+    """One decoder layer; `attend(q, k, v)` keeps k and v and returns attention [B, H, T, D]."""
+    B, T, _ = x_BTM.shape
+    H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
+    qkv_BTX = layer.qkv(_norm(layer.input_norm, layer.eps, x_BTM))
+    qkv_BXTD = qkv_BTX.view(B, T, H + 2 * Hkv, D).transpose(1, 2)
+    qk = _rotate(qkv_BXTD[:, : H + Hkv], cos, sin)
+    o_BHTD = attend(qk[:, :H], qk[:, H:], qkv_BXTD[:, H + Hkv:])
+    x_BTM = x_BTM + layer.o(o_BHTD.transpose(1, 2).reshape(B, T, H * D))
+    normed_BTM = _norm(layer.post_norm, layer.eps, x_BTM)
+    if layer.moe is not None:
+        return x_BTM + layer.moe(normed_BTM)
+    gate, up = layer.gate_up(normed_BTM).chunk(2, dim=-1)
+    return x_BTM + layer.down(layer.act(gate) * up)
+
+
+def decode_layer(layer: Layer, shape: Shape, k_KRD: torch.Tensor, v_KRD: torch.Tensor, x_B1M: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, groups: list[tuple[torch.Tensor, torch.Tensor]],
+                 attention: Callable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer of a decode step over a batch sorted longest first: the layer's output and its new
+    keys and values [B, Hkv, D] (stored by the caller, after every layer). `groups`: each group's
+    padded block tables and lengths, in batch order; `attention`: `decode_attention` or a callable
+    with its signature. What `torch.compile` compiles, once for all layers."""
+    B = x_B1M.shape[0]
+    H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
+    new: list[torch.Tensor] = []
+
+    def attend(q, k, v):
+        k_BHD, v_BHD = k[:, :, 0], v[:, :, 0]
+        new.extend((k_BHD, v_BHD))
+        q_BKGD = (q[:, :, 0].float() * shape.scaling).view(B, Hkv, H // Hkv, D)
+        outs, start = [], 0
+        for table, length in groups:
+            end = start + table.shape[0]
+            outs.append(attention(q_BKGD[start:end], k_BHD[start:end], v_BHD[start:end], k_KRD, v_KRD,
+                                  table, length, shape.block))
+            start = end
+        out_BKGD = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return out_BKGD.view(B, H, 1, D).to(q.dtype)
+
+    x_B1M = block(layer, shape, x_B1M, cos, sin, attend)
+    return x_B1M, new[0], new[1]
+
+
+_compiled_decode_layer = None
+
+
+def compiled_decode_layer() -> Callable:
+    """`decode_layer` compiled, one wrapper for the process: its graphs (one per thread count and
+    batch of one or more) serve every layer of every engine with the same shapes."""
+    global _compiled_decode_layer
+    if _compiled_decode_layer is None:
+        _compiled_decode_layer = torch.compile(decode_layer, dynamic=False)
+    return _compiled_decode_layer
+
+
+class BatchedForward:
+    """Prefill and decode over a Hugging Face Llama-family causal LM, keys and values in a `PagedKV`.
+
+    `compile` (None: where a compiler is found) runs decode's layers as a kernel `torch.compile`
+    builds (one graph serves every layer: compiling takes seconds, not minutes); False runs the
+    same arithmetic eagerly (`attention.py`).
+    """
+
+    def __init__(self, hf_model, kv_blocks: int, block: int, compile: bool | None = None) -> None:
         config = hf_model.config
         if config.model_type not in SUPPORTED_TYPES or getattr(config, "sliding_window", None) and \
                 config.model_type in ("mistral", "mixtral"):
@@ -231,32 +321,62 @@ class BatchedForward:
                      "another OpenAI-compatible server and pass its URL",
             )
         self.model = hf_model
-        self.cascade = cascade   # shared prefixes attended once per decode step (`shared_prefixes`)
         self.core = hf_model.model
-        self.layers = list(self.core.layers)
-        attn = self.layers[0].self_attn
+        layers = list(self.core.layers)
+        attn = layers[0].self_attn
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         if any(getattr(layer.self_attn.q_proj, "bias", None) is not None and
-               getattr(layer.self_attn.k_proj, "bias", None) is None for layer in self.layers):
+               getattr(layer.self_attn.k_proj, "bias", None) is None for layer in layers):
             raise UnsupportedModel("the local engine expects q, k and v projections to all have a bias or none")
         with torch.no_grad():
-            self.qkv = [_fuse(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in self.layers]
-            self.gate_up = [None if _is_moe(layer.mlp) else _fuse(layer.mlp, ("gate_proj", "up_proj"))
-                            for layer in self.layers]
+            self.layers = [self._layer(layer, config) for layer in layers]
+            self.lm_head = _linear(hf_model.lm_head)
         param = next(hf_model.parameters())
         self.router = None
-        self.stats = {"copied_rows": 0,    # see _keys
-                      "shared_rows": 0}    # key positions decode attended once for a group (shared_prefixes)
-        if not all(g is not None for g in self.gate_up):
+        self.stats = {"copied_rows": 0,      # see _keys
+                      "decode_groups": 0}    # attention calls decode made (length_groups), all layers as one
+        if any(layer.gate_up is None for layer in self.layers):
             from atelier.moe.replay import RouterReplay
 
             self.router = RouterReplay(hf_model)   # observes only: what each router chose, per call
         routes = None if self.router is None else (self.router.num_layers, self.router.top_k)
         self.kv = PagedKV(len(self.layers), kv_blocks, block, self.kv_heads, self.head_dim,
                           param.dtype, param.device, routes)
+        self.attention = PagedDecodeAttention(param.device, compile)
+        self.shape = Shape(self.heads, self.kv_heads, self.head_dim, float(self.scaling), block)
+        # A dense layer's decode is compiled whole (the elementwise work between the products
+        # fused); an MoE block routes by data and runs hooks, so it stays eager around the
+        # compiled attention kernel.
+        self._compiled_layer = compiled_decode_layer() if self.attention.compiled else None
+
+    @staticmethod
+    def _layer(layer, config) -> Layer:
+        moe = _is_moe(layer.mlp)
+        act = F.silu if getattr(config, "hidden_act", None) == "silu" else getattr(layer.mlp, "act_fn", None)
+        return Layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, _eps(layer.input_layernorm),
+                     PackedLinear(*_fuse(layer.self_attn, ("q_proj", "k_proj", "v_proj"))),
+                     _linear(layer.self_attn.o_proj),
+                     None if moe else PackedLinear(*_fuse(layer.mlp, ("gate_proj", "up_proj"))),
+                     None if moe else _linear(layer.mlp.down_proj), act, layer.mlp if moe else None)
+
+    @property
+    def linears(self) -> list[PackedLinear]:
+        return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                if lin is not None] + [self.lm_head]
+
+    def refresh_weights(self) -> None:
+        """Re-lay the packed copies after the model's weights changed (`LocalEngine.update_weights`)."""
+        with torch.no_grad():
+            for lin in self.linears:
+                lin.refresh()
+
+    @property
+    def packed_bytes(self) -> int:
+        """Memory the packed weight copies hold, on top of the model's."""
+        return sum(lin.nbytes for lin in self.linears)
 
     @staticmethod
     def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -275,24 +395,6 @@ class BatchedForward:
         sin_BTD = torch.cat((-sin_BTD[..., :half], sin_BTD[..., half:]), dim=-1)
         return cos_BTD.unsqueeze(1), sin_BTD.unsqueeze(1)
 
-    def _layers(self, x_BTM: torch.Tensor, pos_BT: torch.Tensor, attend) -> torch.Tensor:
-        """Every decoder layer; `attend(i, q, k, v)` stores k and v and returns attention [B, H, T, D]."""
-        B, T, _ = x_BTM.shape
-        H, Hkv, D = self.heads, self.kv_heads, self.head_dim
-        cos, sin = self._rope(x_BTM, pos_BT)
-        for i, layer in enumerate(self.layers):
-            qkv_BTX = F.linear(_norm(layer.input_layernorm, x_BTM), *self.qkv[i])
-            qkv_BXTD = qkv_BTX.view(B, T, H + 2 * Hkv, D).transpose(1, 2)
-            qk = _rotate(qkv_BXTD[:, : H + Hkv], cos, sin)
-            o_BHTD = attend(i, qk[:, :H], qk[:, H:], qkv_BXTD[:, H + Hkv:])
-            x_BTM = x_BTM + layer.self_attn.o_proj(o_BHTD.transpose(1, 2).reshape(B, T, H * D))
-            if self.gate_up[i] is None:   # sparse MoE block
-                x_BTM = x_BTM + layer.mlp(_norm(layer.post_attention_layernorm, x_BTM))
-                continue
-            gate, up = F.linear(_norm(layer.post_attention_layernorm, x_BTM), *self.gate_up[i]).chunk(2, dim=-1)
-            x_BTM = x_BTM + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
-        return x_BTM
-
     def _record_routes(self, rows_N: torch.Tensor) -> None:
         """Store the experts the routers just chose for the N computed positions at their KV rows."""
         if self.router is not None:
@@ -307,7 +409,7 @@ class BatchedForward:
         return self.kv.routes_RLk[rows].long().cpu()
 
     def _logits(self, h_BM: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(_norm(self.core.norm, h_BM)).float()
+        return self.lm_head(_norm(self.core.norm.weight, _eps(self.core.norm), h_BM)).float()
 
     def _store(self, i: int, rows_N: torch.Tensor, k_HND: torch.Tensor, v_HND: torch.Tensor) -> None:
         self.kv.k_LHRD[i].index_copy_(1, rows_N, k_HND)
@@ -343,36 +445,6 @@ class BatchedForward:
             at += n
         return k_HTD, v_HTD
 
-    @staticmethod
-    def _attend_one(q_HGD: torch.Tensor, k_HTD: torch.Tensor, v_HTD: torch.Tensor) -> torch.Tensor:
-        """One sequence's attention for its G query heads per key/value head, all fp32 (q scaled)."""
-        return torch.matmul(torch.softmax(torch.matmul(q_HGD, k_HTD.transpose(1, 2)), dim=-1), v_HTD)
-
-    @staticmethod
-    def _attend_part(q_HMD: torch.Tensor, k_HTD: torch.Tensor, v_HTD: torch.Tensor):
-        """Attention of queries over some of their keys, unnormalised (fp32): the scores' max
-        `[H, M, 1]`, the sum of exp(score - max) `[H, M, 1]` and the exp-weighted values `[H, M, D]`,
-        so parts over disjoint keys join exactly (`_attend_cascade`)."""
-        scores_HMT = torch.matmul(q_HMD, k_HTD.transpose(1, 2))
-        top_HM1 = scores_HMT.amax(dim=-1, keepdim=True)
-        weights_HMT = scores_HMT.sub_(top_HM1).exp_()
-        return top_HM1, weights_HMT.sum(dim=-1, keepdim=True), torch.matmul(weights_HMT, v_HTD)
-
-    def _attend_cascade(self, i: int, q_mHGD: torch.Tensor, shared, own: list) -> torch.Tensor:
-        """Attention of m sequences whose first positions are the same blocks (`shared`, planned):
-        every query against the shared keys in one product (the keys read once, not m times), each
-        sequence's queries against its own positions (`own[j]`), the parts joined by their maxima
-        and sums. Returns [m, Hkv, G, D], fp32."""
-        m, Hkv, G, D = q_mHGD.shape
-        top, total, out = self._attend_part(q_mHGD.transpose(0, 1).reshape(Hkv, m * G, D),
-                                            *self._keys(i, shared, torch.float32))
-        top, total, out = (t.view(Hkv, m, G, -1).transpose(0, 1) for t in (top, total, out))
-        parts = [self._attend_part(q_mHGD[j], *self._keys(i, plan, torch.float32)) for j, plan in enumerate(own)]
-        own_top, own_total, own_out = (torch.stack(t) for t in zip(*parts))
-        peak = torch.maximum(top, own_top)
-        scale, own_scale = torch.exp(top - peak), torch.exp(own_top - peak)
-        return (out * scale + own_out * own_scale) / (total * scale + own_total * own_scale)
-
     @torch.inference_mode()
     def prefill(self, seqs: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
         """Compute `tokens[start:]` of each `(tokens, start, table)` and store their keys and values
@@ -383,7 +455,6 @@ class BatchedForward:
         every matrix multiply; attention runs per sequence: causal over its own new keys when it
         starts at 0, else over its blocks (in place when they are consecutive, else gathered).
         """
-        H, Hkv, D = self.heads, self.kv_heads, self.head_dim
         ids, pos, rows, spans = [], [], [], []
         for tokens, start, table in seqs:
             n = len(tokens) - start
@@ -422,7 +493,10 @@ class BatchedForward:
                 outs.append(out)
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
-        x_1NM = self._layers(self.core.embed_tokens(ids_1N), pos_1N, attend)
+        x_1NM = self.core.embed_tokens(ids_1N)
+        cos, sin = self._rope(x_1NM, pos_1N)
+        for i, layer in enumerate(self.layers):
+            x_1NM = block(layer, self.shape, x_1NM, cos, sin, partial(attend, i))
         self._record_routes(rows_N)
         last = torch.tensor([off + n - 1 for off, n, _, _ in plans], device=dev)
         return self._logits(x_1NM[0, last])
@@ -431,45 +505,64 @@ class BatchedForward:
     def decode(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
         """One step for B sequences: token b sits at `positions[b]`, its keys and values go through
         block table `tables[b]` (which must cover that position). Returns next-token logits [B, V]
-        (fp32).
+        (fp32), row b for sequence b.
 
-        Attention runs per sequence over its own positions, read from the pool in place (runs of
-        consecutive blocks; see the module docstring): nothing is padded or copied, and a prefix
-        that several sequences share is attended once for all of them (`_attend_cascade`). It runs on one
-        thread: it is many small products, one sequence at a time, and split over threads each
-        pays a synchronisation that costs more than the work, far more when another process holds
-        a core (measured here at batch 16, ~3k positions, load ~13: 23 ms of CPU per layer on
-        one thread, 159 ms on two).
+        The batch runs longest first, cut into groups of alike lengths (`length_groups`); each
+        group's attention is one kernel call per layer over its padded block tables (see the module
+        docstring). The new keys and values are stored after the last layer.
         """
         B = len(tokens)
         S = self.kv.block
-        H, Hkv, D = self.heads, self.kv_heads, self.head_dim
         dev = self.device
-        ids_B1 = torch.tensor(tokens, dtype=torch.long, device=dev)[:, None]
-        pos_B1 = torch.tensor(positions, dtype=torch.long, device=dev)[:, None]
-        rows_B = torch.tensor([t[p // S] * S + p % S for t, p in zip(tables, positions)], dtype=torch.long,
+        order = sorted(range(B), key=lambda b: -positions[b])
+        lengths = [positions[b] for b in order]
+        ids_B1 = torch.tensor([tokens[b] for b in order], dtype=torch.long, device=dev)[:, None]
+        pos_B1 = torch.tensor(lengths, dtype=torch.long, device=dev)[:, None]
+        rows_B = torch.tensor([tables[b][p // S] * S + p % S for b, p in zip(order, lengths)], dtype=torch.long,
                               device=dev)
-        groups = shared_prefixes(tables, positions, S) if self.cascade else []
-        in_group = {b for members, _ in groups for b in members}
-        plans = [None if b in in_group else self._plan(t, p + 1) for b, (t, p) in enumerate(zip(tables, positions))]
-        group_plans = [(members, self._plan(tables[members[0]], blocks * S),
-                        [self._plan(tables[b][blocks:], positions[b] + 1 - blocks * S) for b in members])
-                       for members, blocks in groups]
-        self.stats["shared_rows"] += sum(blocks * S for _, blocks in groups)
-
-        def attend(i, q, k, v):
-            self._store(i, rows_B, k[:, :, 0].transpose(0, 1), v[:, :, 0].transpose(0, 1))
-            q_BHGD = (q[:, :, 0].float() * self.scaling).view(B, Hkv, H // Hkv, D)
-            outs: list[torch.Tensor | None] = [None] * B
-            with threads(1):   # many small products: see `decode`
-                for b, plan in enumerate(plans):
-                    if plan is not None:
-                        outs[b] = self._attend_one(q_BHGD[b], *self._keys(i, plan, torch.float32))
-                for members, shared, own in group_plans:
-                    for b, out in zip(members, self._attend_cascade(i, q_BHGD[members], shared, own)):
-                        outs[b] = out
-            return torch.stack(outs).view(B, H, 1, D).to(q.dtype)
-
-        x_B1M = self._layers(self.core.embed_tokens(ids_B1), pos_B1, attend)
+        groups = []
+        for start, end in length_groups(lengths):
+            width = lengths[start] // S + 1       # blocks that hold the group's longest past
+            padded = [tables[b][:width] + [0] * (width - min(width, len(tables[b]))) for b in order[start:end]]
+            groups.append((torch.tensor(padded, dtype=torch.long, device=dev), pos_B1[start:end, 0]))
+        self.stats["decode_groups"] += len(groups)
+        x_B1M = self.core.embed_tokens(ids_B1)
+        cos, sin = self._rope(x_B1M, pos_B1)
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            x_B1M, k_BHD, v_BHD = self._decode_layer_call(layer, i, x_B1M, cos, sin, groups)
+            new_k.append(k_BHD)
+            new_v.append(v_BHD)
+        self._store_all(rows_B, torch.stack(new_k), torch.stack(new_v))
         self._record_routes(rows_B)
+        if order != list(range(B)):   # back to the caller's order, before the (wide) logits
+            back = torch.empty(B, dtype=torch.long)
+            back[torch.tensor(order)] = torch.arange(B)
+            x_B1M = x_B1M[back.to(dev)]
         return self._logits(x_B1M[:, 0])
+
+    def _decode_layer_call(self, layer: Layer, i: int, x_B1M, cos, sin, groups):
+        """Layer i of a decode step, compiled where it can be (a dense layer, a compiler)."""
+        args = (layer, self.shape, self.kv.k_LHRD[i], self.kv.v_LHRD[i], x_B1M, cos, sin, groups)
+        if self._compiled_layer is None or layer.moe is not None:
+            return decode_layer(*args, self.attention)
+        for t in (x_B1M, cos, sin, *(t for group in groups for t in group)):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        for table, _ in groups:
+            torch._dynamo.maybe_mark_dynamic(table, 1)
+        try:
+            return self._compiled_layer(*args, decode_attention)
+        except COMPILE_ERRORS as exc:
+            log.warning("compiling the decode layer failed (%s); running it eagerly", type(exc).__name__)
+            self._compiled_layer = None
+            return decode_layer(*args, self.attention)
+
+    def _store_all(self, rows_B: torch.Tensor, k_LBHD: torch.Tensor, v_LBHD: torch.Tensor) -> None:
+        """Every layer's new keys and values into the pool at rows `rows_B`: one copy each over the
+        pool seen as rows of D (an index along its third dimension was far slower)."""
+        L, Hkv, R, D = self.kv.k_LHRD.shape
+        B = rows_B.shape[0]
+        at_LBH = (torch.arange(L, device=rows_B.device).view(L, 1, 1) * (Hkv * R)
+                  + torch.arange(Hkv, device=rows_B.device).view(1, 1, Hkv) * R + rows_B.view(1, B, 1))
+        self.kv.k_LHRD.view(-1, D).index_copy_(0, at_LBH.view(-1), k_LBHD.reshape(-1, D))
+        self.kv.v_LHRD.view(-1, D).index_copy_(0, at_LBH.view(-1), v_LBHD.reshape(-1, D))

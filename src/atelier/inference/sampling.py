@@ -9,6 +9,9 @@ exactly the distribution sampled from. With `temperature == 0` (greedy) the
 token is the argmax and the logprob is that of the untempered distribution,
 `log_softmax(logits)`.
 
+A temperature below `MIN_TEMPERATURE` is greedy (as vLLM treats it): dividing
+the logits by it would overflow them.
+
 Randomness: every request owns a `torch.Generator` seeded from its `seed`
 (or from the OS when `seed` is None), so the same seed and prompt give the
 same tokens regardless of what else shares the batch.
@@ -17,6 +20,8 @@ same tokens regardless of what else shares the batch.
 from __future__ import annotations
 
 import torch
+
+MIN_TEMPERATURE = 1e-5
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -38,18 +43,18 @@ def sample_rows(logits_BV: torch.Tensor, params: list[tuple[float, float, torch.
                 ) -> list[tuple[int, float]]:
     """`sample_token` for every row b of `logits_BV` with `params[b] = (temperature, top_p, generator)`.
 
-    One log-softmax and one argmax for the whole batch; only sampled rows
-    (temperature > 0) draw, each from its own generator.
+    One argmax and one log-sum-exp for the whole batch (no [B, V] log-softmax is materialised);
+    only sampled rows (temperature > 0) draw, each from its own generator.
     """
     logits_BV = logits_BV.float().cpu()
-    temps = [t if t > 0 else 1.0 for t, _, _ in params]
+    temps = [t if t >= MIN_TEMPERATURE else 1.0 for t, _, _ in params]
     scaled_BV = logits_BV if all(t == 1.0 for t in temps) else logits_BV / torch.tensor(temps)[:, None]
-    logp_BV = torch.log_softmax(scaled_BV, dim=-1)
+    lse_B = torch.logsumexp(scaled_BV, dim=-1)
     tokens = logits_BV.argmax(dim=-1).tolist()
     for b, (temperature, top_p, generator) in enumerate(params):
-        if temperature > 0:
-            tokens[b] = _draw(logp_BV[b], top_p, generator)
-    logps = logp_BV.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+        if temperature >= MIN_TEMPERATURE:
+            tokens[b] = _draw(scaled_BV[b] - lse_B[b], top_p, generator)
+    logps = (scaled_BV.gather(1, torch.tensor(tokens)[:, None])[:, 0] - lse_B).tolist()
     return list(zip(tokens, logps))
 
 

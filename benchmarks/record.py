@@ -1,0 +1,74 @@
+"""What every benchmark writes beside its figures: where, when, on what, at which load.
+
+`machine()` names the CPU, its cores and bf16/AMX units, the accelerator if any, and the
+versions that decide speed; `commit()` the code measured (with `+dirty` when the tree had
+uncommitted changes); `save(name, report)` writes the report as
+`benchmarks/results/<name>-<UTC time>-<commit>.json` and returns the path. A run's load is
+part of its figures: `load()` is the one-minute load average, taken per measured row.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def load() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def commit() -> str:
+    root = Path(__file__).parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def _cpu() -> tuple[str, list[str]]:
+    model, flags = platform.processor() or platform.machine(), []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model in ("", platform.machine(), platform.processor()):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = line.split(":", 1)[1].split()
+    except OSError:
+        pass
+    return model, flags
+
+
+def machine() -> dict:
+    import torch
+
+    model, flags = _cpu()
+    info = {"cpu": model, "cores": os.cpu_count(), "arch": platform.machine(),
+            "bf16_units": sorted(f for f in flags if f in ("avx512_bf16", "amx_bf16", "amx_tile")),
+            "python": platform.python_version(), "torch": torch.__version__}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def stamp() -> dict:
+    return {"commit": commit(), "machine": machine(), "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "load_at_start": load()}
+
+
+def save(name: str, report: dict) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    report["load_at_end"] = load()
+    when = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    path = RESULTS / f"{name}-{when}-{report.get('commit', commit()).replace('+', '-')}.json"
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    return path

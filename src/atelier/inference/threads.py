@@ -1,0 +1,146 @@
+"""How many CPU threads the engine's steps run on: as many as pay, measured as it runs.
+
+A decode step is a few hundred operations, and on a CPU each multi-threaded one
+waits for all its threads at its end. Alone on a machine, two threads nearly
+halve a step's matrix products. But two things make them far slower than one:
+
+- another process wants the cores (a sandbox running tests): one of our
+  threads is often descheduled and every operation waits a time slice for it;
+- another thread of this process runs multi-threaded torch too (an in-process
+  trainer). OpenMP then has more threads than cores and makes idle workers
+  sleep at once, so every operation of ours pays a wake-up (we measured an
+  elementwise op at 90 us against 12). For the same reason the engine loads
+  and runs its model on its own thread, so a caller's thread keeps no team.
+
+`StepThreads` chooses per step between one thread and torch's thread count:
+
+- on more than one, it drops to one as soon as the engine's thread spent more
+  than `CONTENDED` of the last `WINDOW` runnable but waiting for a core (its
+  run-queue delay in `/proc/self/task/<tid>/schedstat`, where Linux has it);
+- and it *probes*: now and then one decode step runs on the other count, and
+  when that step is `GAIN` faster than the median of the last steps of the
+  same batch size on the current count, the other count becomes current. A
+  probe that loses doubles the time to the next one (from `PROBE_FIRST` up to
+  `PROBE_LAST` seconds), so a machine that stays busy pays one slow step in
+  minutes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import threading
+import time
+from collections import deque
+
+import torch
+
+WINDOW = 0.5
+CONTENDED = 0.10
+GAIN = 0.85
+PROBE_FIRST = 2.0
+PROBE_LAST = 120.0
+COMPARED = 4   # steps of the current count a probe is compared with
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    """Run the block with torch on `n` threads in the calling thread (torch's thread count is per
+    thread, so other threads, e.g. a trainer's, keep theirs)."""
+    before = torch.get_num_threads()
+    if n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def run_queue_wait_ns(tid: int) -> int | None:
+    """Nanoseconds thread `tid` of this process has spent runnable but not running (None where
+    the kernel does not say)."""
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            return int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class StepThreads:
+    """`StepThreads(fixed, most)`, used from the thread that runs the steps: `choose(batch)` before
+    a step (`batch`: its decode batch size when it only decodes, else None) gives its thread count;
+    `record(n, batch, seconds)` after a decode-only step. `fixed` pins the count; None adapts
+    between 1 and `most` (default: torch's thread count) as the module docstring says."""
+
+    def __init__(self, fixed: int | None = None, most: int | None = None) -> None:
+        if fixed is not None and fixed < 1:
+            raise ValueError("a fixed thread count must be >= 1")
+        self.fixed = fixed
+        self.most = max(1, most or torch.get_num_threads())
+        self.current = fixed or self.most
+        self.switches = 0
+        self._recent: deque[tuple[int, int, float]] = deque(maxlen=2 * COMPARED)
+        self._probe_gap = PROBE_FIRST
+        self._next_probe = time.monotonic() + PROBE_FIRST
+        self._probing = False
+        self._tid: int | None = None
+        self._window: tuple[float, int] | None = None
+
+    @property
+    def adaptive(self) -> bool:
+        return self.fixed is None and self.most > 1
+
+    def choose(self, batch: int | None) -> int:
+        if not self.adaptive:
+            return self.current
+        self._watch_run_queue()
+        now = time.monotonic()
+        same = [s for n, b, s in self._recent if n == self.current and b == batch]
+        self._probing = batch is not None and now >= self._next_probe and len(same) >= 2
+        if self._probing:
+            return self._other
+        return self.current
+
+    def record(self, n: int, batch: int, seconds: float) -> None:
+        if not self.adaptive:
+            return
+        if self._probing and n == self._other:
+            self._probing = False
+            same = [s for m, b, s in self._recent if m == self.current and b == batch][-COMPARED:]
+            if same and seconds < GAIN * statistics.median(same):
+                self._switch(n)
+            else:
+                self._probe_gap = min(PROBE_LAST, 2 * self._probe_gap)
+            self._next_probe = time.monotonic() + self._probe_gap
+            return
+        self._recent.append((n, batch, seconds))
+
+    @property
+    def _other(self) -> int:
+        return 1 if self.current > 1 else self.most
+
+    def _switch(self, n: int) -> None:
+        self.current = n
+        self.switches += 1
+        self._recent.clear()
+        self._probe_gap = PROBE_FIRST
+        self._next_probe = time.monotonic() + PROBE_FIRST
+
+    def _watch_run_queue(self) -> None:
+        """Drop to one thread when this thread waited for a core more than `CONTENDED` of the last
+        window."""
+        now = time.monotonic()
+        if self._window is not None and now - self._window[0] < WINDOW:
+            return
+        if self._tid is None:
+            self._tid = threading.get_native_id()
+        wait = run_queue_wait_ns(self._tid)
+        if wait is None:
+            return
+        if self._window is not None and self.current > 1:
+            waited = (wait - self._window[1]) / 1e9 / (now - self._window[0])
+            if waited > CONTENDED:
+                self._switch(1)
+        self._window = (now, wait)
