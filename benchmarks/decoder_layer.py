@@ -29,6 +29,53 @@ sys.path.insert(0, str(Path(__file__).parent))
 from pretrain import SMOLLM2_135M  # noqa: E402
 
 
+def projections_step(shapes, T: int, dt):
+    """A forward and backward of the layer's seven projections alone, on T tokens."""
+    import torch
+
+    lins = [torch.nn.Linear(i, o, bias=False).to(dt) for i, o in shapes]
+    xs = [torch.randn(T, i, dtype=dt) for i, _ in shapes]
+
+    def step():
+        for lin, x in zip(lins, xs):
+            lin(x.requires_grad_()).float().sum().backward()
+            lin.zero_grad(set_to_none=True)
+            x.grad = None
+    return step
+
+
+def attention_step(heads: int, kv: int, T: int, d: int, dt):
+    """A forward and backward of causal grouped-query attention alone, on T tokens."""
+    import torch
+    import torch.nn.functional as F
+
+    q = torch.randn(1, heads, T, d, dtype=dt)
+    k, v = (torch.randn(1, kv, T, d, dtype=dt) for _ in range(2))
+
+    def step():
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True).float().sum().backward()
+    return step
+
+
+def time_steps(steps: dict, repeats: int) -> tuple[dict, dict, dict]:
+    """Each step's best CPU time over `repeats` rounds (after two warm-up calls), its warm-up wall
+    time and its first output."""
+    warm_s, outputs = {}, {}
+    for key, step in steps.items():
+        start = time.perf_counter()
+        outputs[key] = step()
+        step()
+        warm_s[key] = round(time.perf_counter() - start, 1)
+    best = dict.fromkeys(steps, float("inf"))
+    for _ in range(repeats):
+        for key, step in steps.items():   # fp32 and bf16 alternate inside every round
+            start = time.process_time()
+            step()
+            best[key] = min(best[key], time.process_time() - start)
+    return best, warm_s, outputs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=2048)
@@ -37,7 +84,6 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    import torch.nn.functional as F
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
@@ -63,46 +109,16 @@ def main() -> None:
             return out.detach().float(), x.grad.float()
         return step
 
-    def projections_step(dt):
-        lins = [torch.nn.Linear(i, o, bias=False).to(dt) for i, o in shapes]
-        xs = [torch.randn(T, i, dtype=dt) for i, _ in shapes]
-
-        def step():
-            for lin, x in zip(lins, xs):
-                lin(x.requires_grad_()).float().sum().backward()
-                lin.zero_grad(set_to_none=True)
-                x.grad = None
-        return step
-
-    def attention_step(dt):
-        q = torch.randn(1, heads, T, d, dtype=dt)
-        k, v = (torch.randn(1, kv, T, d, dtype=dt) for _ in range(2))
-
-        def step():
-            qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-            F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True).float().sum().backward()
-        return step
-
-    steps, warm_s, outputs = {}, {}, {}
+    steps = {}
     for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         layer = LlamaDecoderLayer(cfg, layer_idx=0).to(dt)
         layer.load_state_dict(base.state_dict())
         steps[f"layer_{name}"] = layer_step(layer, layer, dt)
         if args.compile:
             steps[f"layer_{name}_compiled"] = layer_step(layer, torch.compile(layer), dt)
-        steps[f"projections_{name}"] = projections_step(dt)
-        steps[f"attention_{name}"] = attention_step(dt)
-    for key, step in steps.items():
-        start = time.perf_counter()
-        outputs[key] = step()
-        step()
-        warm_s[key] = round(time.perf_counter() - start, 1)
-    best = dict.fromkeys(steps, float("inf"))
-    for _ in range(args.repeats):
-        for key, step in steps.items():   # fp32 and bf16 alternate inside every round
-            start = time.process_time()
-            step()
-            best[key] = min(best[key], time.process_time() - start)
+        steps[f"projections_{name}"] = projections_step(shapes, T, dt)
+        steps[f"attention_{name}"] = attention_step(heads, kv, T, d, dt)
+    best, warm_s, outputs = time_steps(steps, args.repeats)
 
     def ratio(a: str, b: str) -> float:
         return round(best[a] / best[b], 2)

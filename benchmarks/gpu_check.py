@@ -121,10 +121,10 @@ def main() -> int:
         config = load_config(TrainConfig, ROOT / "recipes" / "rl-tiny.toml",
                              overrides(gpu, args.steps, ranks, engine, model_dir))
         started = time.perf_counter()
-        if ranks > 1:
-            from atelier.launch import launch_job
+        if ranks > 1:   # what `atelier train` does with trainer.ranks > 1: torchrun's agent starts the ranks
+            from atelier.cli.rank import start_ranks
 
-            launch_job("train", config, run_dir, resume=False, quiet=True, world=ranks)
+            start_ranks("train", config, run_dir, world=ranks)
         else:
             from atelier.rl.run import run_training
 
@@ -172,7 +172,7 @@ def run_demo_gpu(model_dir: str, out: Path) -> dict:
     import subprocess
 
     cmd = [sys.executable, "-m", "atelier.cli", "run", str(ROOT / "recipes" / "demo-gpu.toml"),
-           "--set", f"model.name={json.dumps(str(Path(model_dir).resolve()))}", "--out", str(out)]
+           "--set", f"model.name={json.dumps(str(Path(model_dir).resolve()))}", "--run-dir", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         return {"error": f"exit status {done.returncode}", "stderr_tail": done.stderr[-2000:]}

@@ -120,12 +120,12 @@ def main() -> None:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from atelier.pretrain.modeling import pick_device
+    from atelier.train.devices import pick_device
 
     hf_logging.disable_progress_bar()
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = pick_device(args.device)
+    device = str(pick_device(args.device))
     bf16 = device == "cuda" and torch.cuda.is_bf16_supported()
     peak, peak_cpu = matmul_gflops(device, torch.bfloat16 if bf16 else torch.float32)
     model, source = load_model(args.model, device)

@@ -1,7 +1,7 @@
 """RL trainer throughput: fp32 vs bf16 and 1 vs N ranks (FSDP2), with MFU; prints one JSON object.
 
-Each configuration runs as its own set of rank processes (`atelier.launch`,
-torchrun's environment), on the same batch of RL samples: `--batch`
+Each configuration runs as its own set of rank processes (`atelier.train.launch`,
+torchrun's elastic agent), on the same batch of RL samples: `--batch`
 sequences of `--seq-len` tokens, all trained on. Every rank first measures
 its square-matmul rate in the precision it trains in (same process, same
 threads), then times `--steps` trainer steps (the median is reported) after
@@ -89,13 +89,14 @@ def worker(spec: dict) -> None:
         sync(device)
         if i >= spec["warmup"]:
             times.append(time.perf_counter() - start)
-    from atelier import distributed as D
+    from atelier.train.collectives import all_reduce_max, all_reduce_sum
+    from atelier.train.ranks import close_ranks
 
     rss_gb = (torch.cuda.max_memory_allocated() if device.startswith("cuda")
               else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30
-    rates = D.all_reduce_sum([rate], trainer.ranks)[0]
-    peaks = D.all_reduce_max([rss_gb], trainer.ranks)[0]
-    step_s = D.all_reduce_max([statistics.median(times)], trainer.ranks)[0]
+    rates = all_reduce_sum([rate], trainer.ranks)[0]
+    peaks = all_reduce_max([rss_gb], trainer.ranks)[0]
+    step_s = all_reduce_max([statistics.median(times)], trainer.ranks)[0]
     if trainer.ranks.main:
         c = trainer.model.config
         params = sum(p.numel() for p in trainer.model.parameters())   # a DTensor's numel is the whole
@@ -110,7 +111,7 @@ def worker(spec: dict) -> None:
             "tokens_per_s": round(tokens / step_s, 1), "matmul_gflops_all_ranks": round(rates, 1),
             "achieved_gflops": round(achieved, 1), "mfu": round(achieved / rates, 4),
             "peak_rss_gb_max_rank": round(peaks, 2)}))
-    D.close_ranks()
+    close_ranks()
 
 
 def main() -> None:
@@ -140,21 +141,31 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
+        from atelier.train.ranks import exit_rank
+
         worker(json.loads(Path(args.worker).read_text()))
-        from atelier.distributed import exit_rank
-
         exit_rank(0)
-
-    from atelier.launch import run_ranks
-
     threads = args.threads or os.cpu_count() or 1
+    checkpointing = {"off": (False,), "on": (True,), "both": (False, True)}[args.activation_checkpointing]
+    if args.shared_prefix + args.group_shared >= args.seq_len:
+        parser.error("--shared-prefix plus --group-shared must leave each sample a token of its own")
+    results = run_configurations(args, threads, checkpointing)
+    print(json.dumps({"benchmark": "train", "model": args.model or "SmolLM2-135M shapes, random weights",
+                      "seq_len": args.seq_len, "batch": args.batch, "micro_batch": args.micro_batch,
+                      "shared_prefix": args.shared_prefix, "group_size": args.group_size,
+                      "group_shared": args.group_shared, "trained": args.trained,
+                      "total_threads": threads, "results": results,
+                      "ratios": ratios(results, args, checkpointing)}))
+
+
+def run_configurations(args, threads: int, checkpointing: tuple[bool, ...]) -> list[dict]:
+    """Every configuration the arguments name, each as its own ranks; their results."""
+    from atelier.train.launch import launch
+
     results = []
     with tempfile.TemporaryDirectory(prefix="atelier-bench-train-") as tmp:
         model = args.model or str(build_model(Path(tmp) / "model"))
-        if args.shared_prefix + args.group_shared >= args.seq_len:
-            parser.error("--shared-prefix plus --group-shared must leave each sample a token of its own")
         prefixes = ("whole", "shared", "kept") if args.shared_prefix or args.group_shared else ("shared",)
-        checkpointing = {"off": (False,), "on": (True,), "both": (False, True)}[args.activation_checkpointing]
         for world, precision, prefix, ckpt in ((w, p, m, c) for w in args.ranks for p in args.precisions
                                                for m in prefixes for c in checkpointing):
             if ckpt and prefix == "kept":   # the trainer keeps a checkpointed prefix anyway
@@ -170,41 +181,43 @@ def main() -> None:
                     "out": str(Path(tmp) / f"r{name}.json")}
             path = Path(tmp) / f"spec-{name}.json"
             path.write_text(json.dumps(spec))
-            env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"])}
-            run_ranks([__file__, "--worker", str(path)], world, env=env, what="benchmark")
+            launch([__file__, "--worker", str(path)], world, env={"OMP_NUM_THREADS": str(spec["threads"])},
+                   what="benchmark")
             results.append(json.loads(Path(spec["out"]).read_text()))
+    return results
+
+
+def ratios(results: list[dict], args, checkpointing: tuple[bool, ...]) -> dict[str, float]:
+    """Each comparison the results allow: prefix sharing, bf16 against fp32, N ranks against 1,
+    per-layer checkpointing against none."""
     by = {(r["ranks"], r["precision"], r["activation_checkpointing"]): r for r in results if r["prefix"] == "shared"}
-    ratios = {}
+    out = {}
     for other in (r for r in results if r["prefix"] != "shared"):   # the same samples, run whole or prefix kept
         shared = by[(other["ranks"], other["precision"], other["activation_checkpointing"])]
         where = f"{other['ranks']}_ranks_{other['precision']}" + ("_checkpointed" if other["activation_checkpointing"] else "")
         if other["prefix"] == "whole":
-            ratios[f"shared_prefix_speedup_{where}"] = round(other["step_s"] / shared["step_s"], 2)
+            out[f"shared_prefix_speedup_{where}"] = round(other["step_s"] / shared["step_s"], 2)
         else:
-            ratios[f"prefix_recompute_step_time_{where}"] = round(shared["step_s"] / other["step_s"], 2)
-            ratios[f"prefix_recompute_peak_rss_{where}"] = round(
+            out[f"prefix_recompute_step_time_{where}"] = round(shared["step_s"] / other["step_s"], 2)
+            out[f"prefix_recompute_peak_rss_{where}"] = round(
                 shared["peak_rss_gb_max_rank"] / other["peak_rss_gb_max_rank"], 2)
     ckpt = checkpointing[0]   # the comparisons below, without checkpointing when both were run
     for world in args.ranks:
         if (world, "fp32", ckpt) in by and (world, "bf16", ckpt) in by:
-            ratios[f"bf16_over_fp32_tokens_per_s_{world}_ranks"] = round(
+            out[f"bf16_over_fp32_tokens_per_s_{world}_ranks"] = round(
                 by[(world, "bf16", ckpt)]["tokens_per_s"] / by[(world, "fp32", ckpt)]["tokens_per_s"], 2)
     for precision in args.precisions:
         if len(args.ranks) > 1 and all((w, precision, ckpt) in by for w in args.ranks):
             lo, hi = min(args.ranks), max(args.ranks)
-            ratios[f"{hi}_over_{lo}_ranks_tokens_per_s_{precision}"] = round(
+            out[f"{hi}_over_{lo}_ranks_tokens_per_s_{precision}"] = round(
                 by[(hi, precision, ckpt)]["tokens_per_s"] / by[(lo, precision, ckpt)]["tokens_per_s"], 2)
     for (world, precision, on), checkpointed in by.items():   # per-layer checkpointing against none
         if on and (world, precision, False) in by:
             full, where = by[(world, precision, False)], f"{world}_ranks_{precision}"
-            ratios[f"checkpointing_step_time_{where}"] = round(checkpointed["step_s"] / full["step_s"], 2)
-            ratios[f"checkpointing_peak_rss_{where}"] = round(
+            out[f"checkpointing_step_time_{where}"] = round(checkpointed["step_s"] / full["step_s"], 2)
+            out[f"checkpointing_peak_rss_{where}"] = round(
                 checkpointed["peak_rss_gb_max_rank"] / full["peak_rss_gb_max_rank"], 2)
-    print(json.dumps({"benchmark": "train", "model": args.model or "SmolLM2-135M shapes, random weights",
-                      "seq_len": args.seq_len, "batch": args.batch, "micro_batch": args.micro_batch,
-                      "shared_prefix": args.shared_prefix, "group_size": args.group_size,
-                      "group_shared": args.group_shared, "trained": args.trained,
-                      "total_threads": threads, "results": results, "ratios": ratios}))
+    return out
 
 
 if __name__ == "__main__":

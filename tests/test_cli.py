@@ -62,10 +62,15 @@ def test_importing_the_cli_loads_no_heavy_module() -> None:
     assert proc.stdout.strip() == "[]"
 
 
-def test_register_subcommands_is_idempotent() -> None:
-    before = len(cli.app.registered_groups)
-    cli.register_subcommands()
-    assert len(cli.app.registered_groups) == before
+def test_the_commands_are_listed_and_the_rank_entry_point_is_hidden() -> None:
+    proc = run_python("-m", "atelier.cli.main", "--help")
+    listed = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("│ ") and len(line.split()) > 1}
+    for name in ("run", "train", "pretrain", "eval", "base-eval", "agent", "serve", "report", "models", "tasks",
+                 "sandbox"):
+        assert name in listed, (name, listed)
+    assert "rank" not in listed and "evals" not in listed
+    result = CliRunner().invoke(cli.app, ["rank", "--help"])
+    assert result.exit_code == 0 and "internal" in result.output
 
 
 def _app_raising(exc: Exception) -> typer.Typer:

@@ -106,7 +106,7 @@ def _toml_value(value: Any) -> str:
 
 def _commands(tmp_path: Path) -> dict[str, tuple[type[BaseModel], dict, Any]]:
     """Per command: its config model, a valid base recipe, and argv from (recipe file, --set list)."""
-    from atelier.harness.config import AgentConfig
+    from atelier.eval.runner import EvalRecipe
     from atelier.pipeline.config import RunConfig
     from atelier.pretrain.config import PretrainConfig
     from atelier.rl.config import TrainConfig
@@ -120,9 +120,9 @@ def _commands(tmp_path: Path) -> dict[str, tuple[type[BaseModel], dict, Any]]:
                   lambda f, sets: ["train", str(f), "--run-dir", str(out), *sets]),
         "pretrain": (PretrainConfig, recipe("pretrain-tiny.toml"),
                      lambda f, sets: ["pretrain", str(f), "--run-dir", str(out), *sets]),
-        "run": (RunConfig, recipe("demo.toml"), lambda f, sets: ["run", str(f), "--out", str(out), *sets]),
-        "eval": (AgentConfig, {}, lambda f, sets: ["eval", "--model", "scripted:gold", "--tasks", str(tmp_path),
-                                                   "--out", str(out), "--agent-config", str(f), *sets]),
+        "run": (RunConfig, recipe("demo.toml"), lambda f, sets: ["run", str(f), "--run-dir", str(out), *sets]),
+        "eval": (EvalRecipe, {}, lambda f, sets: ["eval", str(f), "--model", "scripted:gold", "--tasks",
+                                                  str(tmp_path), "--run-dir", str(out), *sets]),
     }
 
 
@@ -186,7 +186,7 @@ def test_env_python_args_that_do_not_fit_the_factory_are_named(tmp_path):
 @pytest.mark.parametrize("argv", [
     ["train", "recipes/rl-tiny.toml", "--set", "rollout.mode=eventually"],
     ["run", "recipes/demo.toml", "--set", "rl.trainer.lr=fast", "--set", "eval.agent.sampling=3"],
-    ["eval", "--model", "scripted:gold", "--tasks", ".", "--out", "never", "--set", "tools.nope=1"],
+    ["eval", "--model", "scripted:gold", "--tasks", ".", "--run-dir", "never", "--set", "agent.tools.nope=1"],
 ])
 def test_through_the_real_process_no_traceback(argv):
     proc = subprocess.run([sys.executable, "-m", "atelier.cli", *argv], capture_output=True, text=True,

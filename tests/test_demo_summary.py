@@ -20,27 +20,8 @@ from atelier.eval.compare import mcnemar_one_sided, wilson_interval
 from atelier.eval.records import EvalRecord, ResultsWriter
 from atelier.pipeline.config import RunConfig
 from atelier.pipeline.memory import TreeMemory, same_memory, tree_memory, tree_pids
-from atelier.pipeline.stages import split_by_file
 from atelier.pipeline.summary import build_summary, zero_variance_fraction
 from atelier.rl.ledger import Ledger
-
-
-def test_split_by_file_never_shares_a_file() -> None:
-    files = {
-        "a1": {"pkg/a.py"}, "a2": {"pkg/a.py"},
-        "b1": {"pkg/b.py"}, "b2": {"pkg/b.py", "pkg/bc.py"},
-        "c1": {"pkg/c.py", "pkg/bc.py"},  # linked to b2 by a shared file, so to b1 as well
-        "d1": {"pkg/d.py"},
-    }
-    for seed in range(20):
-        test = split_by_file(files, 3, seed)
-        train = set(files) - test
-        assert 1 <= len(test) <= 3 and train
-        assert not set().union(*(files[t] for t in test)) & set().union(*(files[t] for t in train))
-        assert {"b1", "b2", "c1"} <= test or not {"b1", "b2", "c1"} & test
-    assert split_by_file(files, 3, 0) == split_by_file(files, 3, 0)
-    # Everything linked: no split is possible.
-    assert split_by_file({"x": {"f"}, "y": {"f", "g"}, "z": {"g"}}, 1, 0) == set()
 
 
 def test_tree_pids_follows_parent_links() -> None:

@@ -208,7 +208,7 @@ print(json.dumps(out))
         assert "error" in told[writer], (writer, told[writer])
         assert told[writer]["error"].startswith("the disk is full"), told[writer]
         assert str(tmp_path / "disk") in told[writer]["error"] and "MiB free" in told[writer]["error"]
-        assert "free space" in told[writer]["hint"] and "resume" in told[writer]["hint"]
+        assert "free space" in told[writer]["hint"] and "same command again" in told[writer]["hint"]
         assert told[writer]["cause"] == cause
     assert told["left"] == []            # no temporary outlived its failed write
     assert told["not_full"] == {"written": True}
@@ -230,8 +230,8 @@ def test_other_write_errors_pass_unchanged(tmp_path: Path) -> None:
 def test_a_run_that_fills_the_disk_stops_with_the_fix_and_resumes_once_there_is_room(tmp_path: Path,
                                                                                      tiny_model_dir) -> None:
     """`atelier pretrain` on a disk that fills up at its second checkpoint: the user reads "error:
-    the disk is full ..." and a hint, exit status 2, no traceback; with room made, --resume
-    continues from the checkpoint that was written and finishes."""
+    the disk is full ..." and a hint, exit status 2, no traceback; with room made, the same run
+    directory continues from the checkpoint that was written and finishes."""
     import json
 
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "pretrain-tiny.toml"
@@ -240,7 +240,7 @@ def test_a_run_that_fills_the_disk_stops_with_the_fix_and_resumes_once_there_is_
         tmp_path,
         f'{cli} {recipe} --set model={tiny_model_dir} --set evals.max_repo_tokens=300 '
         '--set evals.max_new_tokens=8 --run-dir "$DISK/run"; echo "status $?"; '
-        f'mount -o remount,size=64m "$DISK" && {cli} --resume "$DISK/run" --json && cat "$DISK/run/metrics.jsonl"',
+        f'mount -o remount,size=64m "$DISK" && {cli} --run-dir "$DISK/run" --json && cat "$DISK/run/metrics.jsonl"',
         size="2m")
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.startswith("error: the disk is full: writing the checkpoint at "), proc.stderr

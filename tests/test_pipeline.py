@@ -8,6 +8,7 @@ resumes and finds everything done."""
 from __future__ import annotations
 
 import json
+import os
 import textwrap
 from pathlib import Path
 
@@ -16,7 +17,9 @@ import pytest
 from atelier.cli import main as cli
 from atelier.config import load_config
 from atelier.pipeline.config import RunConfig
-from atelier.pipeline.stages import STAGES, PipelineError, run_pipeline
+from atelier.pipeline.runner import StageLedger, last_activity, run_pipeline
+from atelier.pipeline.stages import BY_NAME, STAGE_NAMES, STAGES, StageContext, rl_tasks_off
+from atelier.rundir import RunDirError, freeze_config
 
 REPO = {
     "shapes/__init__.py": "",
@@ -146,12 +149,12 @@ def test_atelier_run_end_to_end_then_resume(bwrap_ready, recipe: Path, tmp_path:
                                             capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["run", str(recipe), "--out", str(out), "--json"])
+        cli.main(["run", str(recipe), "--run-dir", str(out), "--json"])
     assert exit_info.value.code in (None, 0)
     printed = capsys.readouterr().out.strip().splitlines()
     assert Path(printed[-1]) == out / "report.html"
     stages = json.loads((out / "stages.json").read_text())
-    assert list(stages) == list(STAGES)
+    assert list(stages) == list(STAGE_NAMES)
     assert stages["tasks"]["train"] == 2 and stages["tasks"]["test"] == 1
     assert stages["tasks"]["split"] == "file"
     for stage in ("eval-before", "eval-sft", "eval-after"):
@@ -165,7 +168,7 @@ def test_atelier_run_end_to_end_then_resume(bwrap_ready, recipe: Path, tmp_path:
     assert stages["eval-sft"]["model"] == stages["sft"]["model"]
     assert stages["eval-after"]["model"] == stages["rl"]["model"]
     # Every stage ran in a child and its memory was measured (the whole tree: at least a Python with torch).
-    assert all(50 < stages[s]["peak_pss_mb"] <= stages[s]["peak_rss_mb"] for s in STAGES)
+    assert all(50 < stages[s]["peak_pss_mb"] <= stages[s]["peak_rss_mb"] for s in STAGE_NAMES)
     assert (out / "logs" / "rl.log").is_file()
 
     summary = json.loads((out / "summary.json").read_text())
@@ -186,8 +189,8 @@ def test_atelier_run_end_to_end_then_resume(bwrap_ready, recipe: Path, tmp_path:
     assert set(head) >= {"test", "pairs", "improved", "worsened", "alpha", "significant"}
     assert summary["rl"]["steps"] == [1] and len(summary["rl"]["reward_mean"]) == 1
     assert summary["rl"]["zero_variance_fraction_all"] in (0.0, 1.0)
-    assert set(summary["wall_s"]) == set(STAGES) and summary["peak_pss_mb_run"] >= max(
-        stages[s]["peak_pss_mb"] for s in STAGES if s != "report")
+    assert set(summary["wall_s"]) == set(STAGE_NAMES) and summary["peak_pss_mb_run"] >= max(
+        stages[s]["peak_pss_mb"] for s in STAGE_NAMES if s != "report")
     html = (out / "report.html").read_text()
     assert "eval-before" in html and "eval-sft" in html and "eval-after" in html
     assert 'id="headline"' in html and "after SFT" in html
@@ -206,7 +209,7 @@ def test_atelier_run_end_to_end_then_resume(bwrap_ready, recipe: Path, tmp_path:
 
     # A different recipe in the same directory is refused, not mixed in.
     other = load_config(RunConfig, recipe, ["rl.trainer.steps=2"])
-    with pytest.raises(PipelineError, match="different recipe"):
+    with pytest.raises(RunDirError, match=r"different config \(rl.trainer.steps differ"):
         run_pipeline(other, out, recipe_dir=recipe.parent, say=said.append)
 
 
@@ -214,7 +217,7 @@ def test_bad_recipe_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixtu
     path = tmp_path / "bad.toml"
     path.write_text("[tasks]\npackage = \"inflection\"\nversion = \"0.5.1\"\ncount = 3\ntest_count = 5\n")
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["run", str(path), "--out", str(tmp_path / "run")])
+        cli.main(["run", str(path), "--run-dir", str(tmp_path / "run")])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "test_count" in err and "Traceback" not in err
@@ -229,34 +232,51 @@ def test_a_run_begun_before_a_field_existed_resumes_and_a_changed_recipe_is_refu
 
     from atelier.compat import tomllib
     from atelier.config import dump_config
-    from atelier.pipeline.stages import _freeze_config
 
     config = load_config(RunConfig, recipe, ["eval.rl_tasks=false"])
     frozen = tomllib.loads(dump_config(config))
     del frozen["eval"]["rl_tasks"]                       # as a run begun before eval.rl_tasks wrote it
     (tmp_path / "config.toml").write_text(tomli_w.dumps(frozen))
-    _freeze_config(config, tmp_path)
+    assert freeze_config(config, tmp_path)
     assert "rl_tasks = false" in (tmp_path / "config.toml").read_text()
-    with pytest.raises(PipelineError, match="different recipe"):
-        _freeze_config(load_config(RunConfig, recipe, ["eval.rl_tasks=true"]), tmp_path)
+    with pytest.raises(RunDirError, match=r"different config \(eval.rl_tasks differ"):
+        freeze_config(load_config(RunConfig, recipe, ["eval.rl_tasks=true"]), tmp_path)
     frozen["eval"]["no_such_option"] = 1
     (tmp_path / "config.toml").write_text(tomli_w.dumps(frozen))
-    with pytest.raises(PipelineError, match="different recipe"):
-        _freeze_config(config, tmp_path)
+    with pytest.raises(RunDirError, match="different config"):
+        freeze_config(config, tmp_path)
+
+
+def test_a_resumed_stage_counts_the_time_of_every_start(tmp_path: Path) -> None:
+    ledger = StageLedger(tmp_path)
+    ledger.begin("sft", 1000.0, None)
+    peaks = {"peak_pss_mb": 500, "peak_rss_mb": 600}
+    assert ledger.end("sft", 1100.0, peaks) == (100.0, 100.0, peaks)   # failed after 100 s
+    ledger.begin("sft", 2000.0, None)                                # then killed: never ends
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "step.txt").write_text("x")
+    os.utime(tmp_path / "sft" / "step.txt", (2300.0, 2300.0))
+    os.utime(tmp_path / "sft", (2250.0, 2250.0))
+    assert last_activity(tmp_path, "sft") == 2300.0
+    reopened = StageLedger(tmp_path)                                    # a new process resumes
+    reopened.begin("sft", 5000.0, last_activity(tmp_path, "sft"))   # the killed start ran until 2300
+    # each measure's peak is the highest of any start
+    assert reopened.end("sft", 5050.0, {"peak_pss_mb": 300, "peak_rss_mb": 900}) == (
+        450.0, 50.0, {"peak_pss_mb": 500, "peak_rss_mb": 900})
+    saved = json.loads((tmp_path / "stages-time.json").read_text())["sft"]
+    assert saved["starts"] == 3 and "started" not in saved
+    assert (saved["peak_pss_mb"], saved["peak_rss_mb"]) == (500, 900)
 
 
 def test_eval_rl_tasks_is_off_unless_the_recipe_asks(recipe: Path, tmp_path: Path) -> None:
     """Off, the stage only records why, in the parent (no child process started for nothing)."""
-    from atelier.pipeline.stages import _Context, _Ledger
-
     for value, reason in (("false", "eval.rl_tasks is off"), ("true", None)):
         config = load_config(RunConfig, recipe, [f"eval.rl_tasks={value}"])
-        run_dir = tmp_path / value
-        context = _Context(config, run_dir, recipe.parent, print, _Ledger(run_dir))
-        assert context.off("eval-rl-tasks") == reason and all(context.off(s) is None for s in STAGES[:-2])
-    off = _Context(load_config(RunConfig, recipe, ["eval.rl_tasks=false"]), tmp_path, recipe.parent, print,
-                   _Ledger(tmp_path))
-    assert off.run("eval-rl-tasks") == {"skipped": "eval.rl_tasks is off"}
+        assert rl_tasks_off(config) == reason and BY_NAME["eval-rl-tasks"].off(config) == reason
+        assert all(stage.off(config) is None for stage in STAGES if stage.name != "eval-rl-tasks")
+    off = StageContext(load_config(RunConfig, recipe, ["eval.rl_tasks=false"]), tmp_path, recipe.parent, print,
+                       StageLedger(tmp_path))
+    assert off.run(BY_NAME["eval-rl-tasks"]) == {"skipped": "eval.rl_tasks is off"}
 
 
 def test_summary_keys_when_the_report_stage_has_not_run(tmp_path: Path) -> None:

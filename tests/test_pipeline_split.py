@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from atelier.pipeline.config import RunConfig
-from atelier.pipeline.stages import (PipelineError, _Context, _Ledger, _write_splits, choose_held_out, hold_apart,
-                                     split_by_file, split_tasks, task_files)
+from atelier.pipeline.runner import StageLedger
+from atelier.pipeline.stages import PipelineError, StageContext, choose_held_out, split_tasks, write_splits
+from atelier.tasks.split import hold_apart, task_files
 from atelier.tasks.schema import PythonEnv, TaskError, TaskLimits, TaskMetadata, TaskSpec
 from atelier.tasks.writer import write_task
 
@@ -34,36 +35,22 @@ def _suite(root: Path) -> Path:
                         metadata=TaskMetadata(source="test", category="constant", files_changed=1, lines_changed=1),
                         limits=TaskLimits(timeout_s=60))
         write_task(suite / task_id, spec, repo, {"tests/test_x.py": "def test_x():\n    pass\n"}, diff)
-    _write_splits(suite, {t: "test" if t == "t1" else "train" for t in FILES})
+    write_splits(suite, {t: "test" if t == "t1" else "train" for t in FILES})
     return suite
 
 
-def _context(run_dir: Path, suite: Path, rl_only: tuple[str, ...] = (), **sft) -> _Context:
+def _context(run_dir: Path, suite: Path, rl_only: tuple[str, ...] = (), **sft) -> StageContext:
     config = RunConfig.model_validate({
         "tasks": {"package": "pkg", "path": "repo", "count": 8, "test_count": 1},
         "headline": {"min_attempts": 1}, "sft": sft})
-    ledger = _Ledger(run_dir)
+    ledger = StageLedger(run_dir)
     ledger.done["tasks"] = {"dir": str(suite), **({"rl_only": list(rl_only)} if rl_only else {})}
-    return _Context(config, run_dir, run_dir, print, ledger)
+    return StageContext(config, run_dir, run_dir, print, ledger)
 
 
 @pytest.fixture
 def suite(tmp_path: Path) -> Path:
     return _suite(tmp_path)
-
-
-def test_hold_apart_by_file_is_disjoint_bounded_and_seeded() -> None:
-    files = {t: {f} for t, f in FILES.items()}
-    for seed in range(6):
-        for count in range(1, 7):
-            chosen = hold_apart(files, count, seed, "file")
-            assert chosen == split_by_file(files, count, seed) == hold_apart(files, count, seed, "file")
-            assert 0 < len(chosen) <= count
-            inside = set().union(*(files[t] for t in chosen))
-            assert not inside & set().union(*(files[t] for t in files if t not in chosen))
-    chosen = hold_apart(files, 3, 0, "random")
-    assert len(chosen) == 3 and chosen == hold_apart(files, 3, 0, "random")
-    assert len(hold_apart(files, 99, 0, "random")) == len(files) - 1   # the other side keeps a task
 
 
 def test_a_split_by_file_that_holds_out_too_few_attempts_stops_the_run() -> None:
@@ -169,7 +156,7 @@ def test_evaluations_open_the_engine_batch_invariant_when_asked(tmp_path: Path, 
     config = RunConfig.model_validate({
         "tasks": {"package": "pkg", "path": "repo", "count": 8, "test_count": 1},
         "headline": {"min_attempts": 1}, "eval": {"batch_invariant": batch_invariant}})
-    context = _Context(config, tmp_path, tmp_path, print, _Ledger(tmp_path))
+    context = StageContext(config, tmp_path, tmp_path, print, StageLedger(tmp_path))
     with context.open_eval_model(str(tiny_model_dir)) as engine:
         assert engine.batch_invariant is batch_invariant
 

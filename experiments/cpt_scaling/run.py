@@ -241,9 +241,8 @@ def run_rl(out: Path, model: str, tasks_file: Path, args) -> dict[str, Any]:
         # Reward = correctness only: no length or tool-call shaping in a single-line task.
         shaping=ShapingConfig(length_coef=0.0, broken_call_penalty=0.0, unfinished_todo_penalty=0.0))
     summary_path = out / "summary.json"
-    if not summary_path.exists():
-        resume = (out / "config.toml").exists()
-        run_training(config, out, resume=resume, on_step=lambda r: print(
+    if not summary_path.exists():   # a run cut off earlier continues from its last commit
+        run_training(config, out, on_step=lambda r: print(
             f"    rl step {r['step']:>3}  reward {r['reward_mean']:.3f}  pass {r['pass_rate']:.2f}",
             flush=True))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -260,7 +259,7 @@ def _pretrain(config, out: Path, quiet: bool) -> dict[str, Any]:
     from atelier.pretrain.train import run_pretrain
 
     if not (out / "summary.json").exists():
-        run_pretrain(config, out, resume=(out / "config.toml").exists(), quiet=quiet)
+        run_pretrain(config, out, quiet=quiet)
     return json.loads((out / "summary.json").read_text())
 
 

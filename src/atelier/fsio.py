@@ -192,8 +192,8 @@ def told_when_disk_full(path: str | os.PathLike, what: str) -> Iterator[None]:
         raise DiskFullError(
             f"the disk is full: {what} at {path} failed ({left} there; {type(exc).__name__}: {exc})",
             hint=f"free space on the disk holding {Path(path).absolute().parent} (old run directories and "
-                 "their checkpoints are the usual culprits), then resume: the same `atelier run` command, "
-                 "or --resume RUN_DIR; what was already written is kept") from exc
+                 "their checkpoints are the usual culprits), then run the same command again to continue: "
+                 "what was already written is kept") from exc
 
 
 def append_line(path: str | os.PathLike, line: str) -> None:

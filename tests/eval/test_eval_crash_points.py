@@ -37,7 +37,7 @@ def untimed(value):
 
 def evaluate(suite: Path, out: Path, cache: Path, crash_at: str | None = None) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-m", "atelier.cli", "eval", "--model", "scripted:gold", "--tasks", str(suite),
-            "--passes", "1", "--out", str(out)]
+            "--passes", "1", "--run-dir", str(out)]
     env = {k: v for k, v in os.environ.items() if k != "ATELIER_CRASH_AT"}
     env["ATELIER_CACHE"] = str(cache)
     if crash_at:

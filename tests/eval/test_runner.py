@@ -136,7 +136,7 @@ def test_a_killed_cli_run_resumes(suite: Path, tmp_path: Path, env_cache: str,
         (cache_root / "envs").symlink_to(env_cache)
     out = tmp_path / "run"
     argv = ["eval", "--model", "scripted:gold", "--tasks", str(suite / "calc-add"), "--passes", "2",
-            "--out", str(out)]
+            "--run-dir", str(out)]
     proc = subprocess.Popen([sys.executable, "-m", "atelier.cli", *argv], start_new_session=True,
                             env={**os.environ, "ATELIER_CACHE": str(cache_root)},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -198,12 +198,12 @@ def test_bad_inputs_are_typed_errors(tmp_path: Path, suite: Path, capsys) -> Non
         return capsys.readouterr().err
 
     out = str(tmp_path / "run")
-    assert "not found" in fails("eval", "--model", "scripted:gold", "--tasks", str(tmp_path / "nope"), "--out", out)
-    err = fails("eval", "--model", "no-such-model", "--tasks", str(suite), "--out", out)
+    assert "not found" in fails("eval", "--model", "scripted:gold", "--tasks", str(tmp_path / "nope"), "--run-dir", out)
+    err = fails("eval", "--model", "no-such-model", "--tasks", str(suite), "--run-dir", out)
     assert "error:" in err and "hint:" in err
-    assert "unknown scripted model" in fails("eval", "--model", "scripted:nope", "--tasks", str(suite), "--out", out)
+    assert "unknown scripted model" in fails("eval", "--model", "scripted:nope", "--tasks", str(suite), "--run-dir", out)
     assert "split 'test'" in fails("eval", "--model", "scripted:gold", "--tasks", str(suite),
-                                "--split", "test", "--out", out)
+                                "--split", "test", "--run-dir", out)
     assert "run directory not found" in fails("report", str(tmp_path / "missing"), "--out", str(tmp_path / "r.html"))
     assert not (tmp_path / "run").exists()
 
@@ -219,8 +219,8 @@ def test_cli_with_a_local_model_directory(suite: Path, tmp_path: Path, env_cache
     monkeypatch.setenv("ATELIER_CACHE", str(cache_root))
     with pytest.raises(SystemExit) as info:
         cli.main(["eval", "--model", str(tiny_model_dir), "--tasks", str(suite / "calc-add"),
-                  "--out", str(tmp_path / "run"), "--max-turns", "2", "--set", "sampling.max_tokens=8",
-                  "--set", "sampling.seed=0", "--json"])
+                  "--run-dir", str(tmp_path / "run"), "--max-turns", "2", "--set", "agent.sampling.max_tokens=8",
+                  "--set", "agent.sampling.seed=0", "--json"])
     assert info.value.code == 0
     out = json.loads(capsys.readouterr().out)
     assert out["valid_attempts"] == 1 and out["infra_errors"] == 0 and out["accuracy"] == 0.0

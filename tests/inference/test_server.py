@@ -190,7 +190,6 @@ def test_atelier_serve_with_a_missing_model_prints_the_pull_hint(tmp_path, monke
     from atelier.cli import main as cli
 
     monkeypatch.setenv("ATELIER_CACHE", str(tmp_path / "cache"))
-    cli.register_subcommands()
     result = CliRunner().invoke(cli.app, ["serve", "--model", "smollm2-135m"])
     assert isinstance(result.exception, ModelNotFound)
     assert "atelier models pull smollm2-135m" in result.exception.hint

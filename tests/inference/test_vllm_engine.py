@@ -1,7 +1,7 @@
 """The vLLM backend against real vLLM (its CPU build), one server for the whole module.
 
 Oracles: the built-in engine and transformers for greedy tokens; the
-trainer's own fp32 recompute (`atelier.rl.trainer.token_logprobs`) for
+trainer's own fp32 recompute (`atelier.train.head.token_logprobs`) for
 logprobs, at the sampling temperature; a freshly started vLLM for weights
 pushed into a running one (the restart after `kill -9` starts the server
 from the pushed weights, so it is that fresh vLLM). The pure parts (fused
@@ -97,7 +97,7 @@ def hf_model(vllm_model_dir):
 
 def recompute(model, prompt: list[int], tokens: list[int], temperature: float) -> list[float]:
     """The trainer's logprobs of `tokens` after `prompt` (fp32, at `temperature`)."""
-    from atelier.rl.trainer import token_logprobs
+    from atelier.train.head import token_logprobs
 
     ids = torch.tensor([prompt + tokens])
     with torch.no_grad():

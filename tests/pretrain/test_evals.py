@@ -105,7 +105,7 @@ def test_histories_chain_real_diffs() -> None:
     assert edit_similarity(history.final, history.final) == 1.0 > edit_similarity(history.original, history.final)
 
 
-def test_evals_cli_json(tmp_path, tiny_model_dir) -> None:
+def test_base_eval_cli_json(tmp_path, tiny_model_dir) -> None:
     from typer.testing import CliRunner
 
     from atelier.cli.main import app
@@ -113,9 +113,9 @@ def test_evals_cli_json(tmp_path, tiny_model_dir) -> None:
     repo = tmp_path / "repo"
     repo.mkdir()
     (repo / "m.py").write_text("def f(x):\n    y = x + 1\n    return y\n\n" * 3)
-    result = CliRunner().invoke(app, ["evals", "base", "--model", str(tiny_model_dir), "--repo", str(repo),
+    result = CliRunner().invoke(app, ["base-eval", "--model", str(tiny_model_dir), "--repo", str(repo),
                                       "--set", "window=32", "--set", "stride=16", "--set", "max_new_tokens=8",
-                                      "--out", str(tmp_path / "out"), "--json"])
+                                      "--run-dir", str(tmp_path / "out"), "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.output.strip().splitlines()[-1])
     assert data["perplexity"]["repos"][0]["scored"] > 0

@@ -13,6 +13,7 @@ import pytest
 
 from atelier.config import dump_config
 from atelier.pretrain.config import PhaseConfig
+from tests.helpers import rank_env
 from tests.pretrain.test_train import _config, _losses, _sft_dir
 
 ROOT = Path(__file__).parents[2]
@@ -46,7 +47,7 @@ def test_two_ranks_stopped_and_resumed_repeat_the_one_rank_run(tmp_path, tiny_mo
     cut = _pretrain(str(recipe), "--run-dir", str(tmp_path / "two"), "--set", "ranks=2", "--set", "stop_after=3")
     assert cut["stopped"] and cut["global_step"] == 3
     assert (tmp_path / "two" / "checkpoints" / "step-000002" / "sharded" / ".metadata").exists()
-    done = _pretrain("--resume", str(tmp_path / "two"))
+    done = _pretrain("--run-dir", str(tmp_path / "two"))   # continues with the config it began with
     assert done["global_step"] == 5 and not done["stopped"]
     assert _losses(tmp_path / "two") == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)
     lines = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
@@ -61,7 +62,7 @@ LEFT_PROBE = """
 import json, sys
 from pathlib import Path
 import torch.distributed as dist
-from atelier.distributed import exit_rank
+from atelier.train.ranks import exit_rank
 from atelier.pretrain.config import PretrainConfig
 from atelier.pretrain.train import run_pretrain
 
@@ -74,19 +75,16 @@ exit_rank(0)   # as every rank process ends: see exit_rank
 def test_each_rank_leaves_the_group_when_its_run_returns(tmp_path, tiny_model_dir, code_root):
     """PyTorch asks each rank to leave its process group once its collectives are done:
     `run_pretrain` on 2 ranks returns with the group left, on both ranks."""
-    from atelier.launch import start_ranks
+    from atelier.train.launch import launch
 
     phases = [PhaseConfig(name="cpt", steps=1, seq_len=32, micro_batch=2, lr=1e-3)]
     config = _config(tiny_model_dir, code_root, phases).model_copy(update={"ranks": 2})
     (tmp_path / "config.json").write_text(config.model_dump_json())
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    procs = start_ranks(["-c", LEFT_PROBE, str(tmp_path / "config.json"), str(tmp_path / "run")], 2,
-                        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    outs = [p.communicate(timeout=300) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err.decode()[-3000:]
-        assert json.loads(out.decode().strip().splitlines()[-1]) == {"still_joined": False}
+    done = launch(["-c", LEFT_PROBE, str(tmp_path / "config.json"), str(tmp_path / "run")], 2, env=rank_env(),
+                  log_dir=tmp_path / "logs")
+    for rank in (0, 1):
+        out = (done.logs[rank] / "stdout.log").read_text()
+        assert json.loads(out.strip().splitlines()[-1]) == {"still_joined": False}
 
 
 def _run(*args: str, crash_at: str | None = None) -> subprocess.CompletedProcess:
@@ -129,7 +127,7 @@ def two_rank_recipe(tmp_path_factory, tiny_model_dir, tiny_tokenizer) -> tuple[P
 ])
 def test_a_rank_killed_mid_run_resumes_to_the_uninterrupted_weights(tmp_path, two_rank_recipe, point, victim,
                                                                     resumes_from):
-    """kill -9 of one rank stops the job with a message naming it; --resume restarts both ranks from
+    """kill -9 of one rank stops the job with a message naming it; the same command again restarts both ranks from
     the last committed checkpoint and ends with the uninterrupted 2-rank run's metrics (timings aside)
     and final weights, bit for bit."""
     import torch
@@ -145,7 +143,7 @@ def test_a_rank_killed_mid_run_resumes_to_the_uninterrupted_weights(tmp_path, tw
 
     assert json.loads((latest_checkpoint(run) / "state.json").read_text())["global_step"] == resumes_from
 
-    resumed = _run("--resume", str(run))
+    resumed = _run(str(recipe), "--run-dir", str(run))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads(resumed.stdout.strip().splitlines()[-1])
     assert summary["global_step"] == 5 and not summary["stopped"]

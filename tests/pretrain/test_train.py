@@ -65,9 +65,9 @@ def test_resume_after_stop_repeats_the_uninterrupted_run(tmp_path, tiny_model_di
     assert whole.global_step == 8 and not whole.stopped
     cut = run_pretrain(_config(tiny_model_dir, code_root, phases, stop_after=5), tmp_path / "cut")
     assert cut.stopped and cut.global_step == 5 and cut.final_model is None
-    config = load_config(PretrainConfig, tmp_path / "cut" / "config.toml")  # what --resume reads
+    config = load_config(PretrainConfig, tmp_path / "cut" / "config.toml")  # what `--run-dir DIR` alone reads
     assert config.stop_after is None
-    resumed = run_pretrain(config, tmp_path / "cut", resume=True)
+    resumed = run_pretrain(config, tmp_path / "cut")
     assert resumed.global_step == 8
     assert len(resumed.losses) == 4  # from the checkpoint at step 4, not from the stop at 5
     assert _losses(tmp_path / "cut") == pytest.approx(_losses(tmp_path / "whole"), rel=1e-5, abs=1e-6)
@@ -134,4 +134,4 @@ def test_pretrain_cli_end_to_end(tmp_path, tiny_model_dir) -> None:
     again = subprocess.run([sys.executable, "-m", "atelier.cli.main", "pretrain", str(recipe), "--set",
                             f"model={tiny_model_dir}", "--run-dir", str(run_dir)],
                            capture_output=True, text=True, timeout=300)
-    assert again.returncode == 2 and "already holds a run" in again.stderr
+    assert again.returncode == 2 and "holds a run of a different config (evals.max_new_tokens" in again.stderr

@@ -14,10 +14,13 @@ from pathlib import Path
 
 import torch
 
-from atelier import distributed as D
 from atelier.rl.config import TrainerConfig
 from atelier.rl.sample import Sample
 from atelier.rl.trainer import Trainer
+from atelier.train.checkpoint import full_state_dict
+from atelier.train.fsdp import shard
+from atelier.train.head import PolicyHead
+from atelier.train.ranks import Ranks, exit_rank, joined_ranks
 
 
 def make_samples(seed: int, n: int, vocab: int, min_len: int = 6, max_len: int = 40) -> list[Sample]:
@@ -37,11 +40,11 @@ def make_samples(seed: int, n: int, vocab: int, min_len: int = 6, max_len: int =
 
 
 def run(spec: dict, out: Path | None) -> tuple[list[dict], dict[str, torch.Tensor]]:
-    with D.joined_ranks("cpu") as ranks:
+    with joined_ranks("cpu") as ranks:
         return _run(spec, out, ranks)
 
 
-def _run(spec: dict, out: Path | None, ranks: D.Ranks) -> tuple[list[dict], dict[str, torch.Tensor]]:
+def _run(spec: dict, out: Path | None, ranks: Ranks) -> tuple[list[dict], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     cfg = TrainerConfig(**spec["trainer"])
     trainer = Trainer(spec["model"], cfg, temperature=spec.get("temperature", 1.0), ranks=ranks)
@@ -70,7 +73,7 @@ def run_sft(spec: dict, ranks) -> tuple[list[dict], dict[str, torch.Tensor]]:
     from atelier.pretrain.train import _train_step
 
     lm = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
-    head = D.shard(D.PolicyHead(lm, 5), ranks, "fp32")
+    head = shard(PolicyHead(lm, 5), ranks, "fp32")
     optimizer = torch.optim.AdamW(head.parameters(), lr=1e-3)
     rng = np.random.default_rng(0)
     ids = rng.integers(3, lm.config.vocab_size, size=(12, 24))
@@ -82,10 +85,10 @@ def run_sft(spec: dict, ranks) -> tuple[list[dict], dict[str, torch.Tensor]]:
                         trajectories=["unused"])
     batches = ExampleBatches(ids, mask, 0, 0)
     metrics = [_train_step(head, optimizer, batches, phase, step, ranks, "fp32") for step in range(phase.steps)]
-    state = {k.removeprefix("lm."): v for k, v in D.full_state_dict(head, ranks).items()}
+    state = {k.removeprefix("lm."): v for k, v in full_state_dict(head, ranks).items()}
     return metrics, state
 
 
 if __name__ == "__main__":
     run(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]))
-    D.exit_rank(0)
+    exit_rank(0)

@@ -52,7 +52,7 @@ POINTS = ["rl.after_train", "checkpoint.before_rename", "rl.after_checkpoint", "
 def train(run: Path, steps: int, *extra: str, crash_at: str | None = None, resume: bool = False
           ) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-m", "atelier.cli.main", "train"]
-    argv += ["--resume", str(run)] if resume else [str(RECIPE), "--run-dir", str(run)]
+    argv += [str(RECIPE), "--run-dir", str(run)]   # the same command starts the run and continues it
     for a in [*ARGS, f"trainer.steps={steps}", *extra]:
         argv += ["--set", a]
     env = {k: v for k, v in os.environ.items() if k != "ATELIER_CRASH_AT"}

@@ -15,7 +15,7 @@ def test_two_node_ray_cluster_trains_with_ranks_on_different_nodes(tiny_model_di
     ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'atelier-rl[ray]'")
     from ray.cluster_utils import Cluster
 
-    from atelier.launch_ray import launch_ray_job
+    from atelier.cli.rank import start_ranks
     from atelier.rl.ledger import Ledger
 
     if ray.is_initialized():
@@ -29,7 +29,7 @@ def test_two_node_ray_cluster_trains_with_ranks_on_different_nodes(tiny_model_di
             "trainer.timeout_s=300", "rollout.group_size=2", "rollout.groups_per_step=2", "rollout.max_tokens=8",
             "rollout.workers=2", "env.toy.tasks=8"])
         run = tmp_path / "run"   # the "shared file system": both nodes are this machine
-        result = launch_ray_job("train", config, run, resume=False, world=2, strategy="STRICT_SPREAD")
+        result = start_ranks("train", config, run, world=2, strategy="STRICT_SPREAD")
         assert len(set(result["rank_nodes"])) == 2        # the two ranks ran on different nodes
         assert result["steps"] == 2 and result["ledger"]["trained"] == 2 * 2 * 2
         assert Ledger.load(run / "ledger.jsonl").counts()["trained"] == 8

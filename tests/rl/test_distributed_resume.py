@@ -1,5 +1,5 @@
 """`atelier train --set trainer.ranks=2`: the CLI starts both ranks; `kill -9` of one stops the job
-with a message naming it; `--resume` restarts both and every sample is trained exactly once."""
+with a message naming it; the same command again restarts both and every sample is trained exactly once."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def test_kill_9_of_one_rank_stops_the_job_then_resume_trains_every_sample_once(t
     assert proc.returncode == 2, (out, err)
     assert f"rank {victim} of 2 was killed by SIGKILL" in err
 
-    resumed = _train("--resume", str(run))
+    resumed = _train(str(ROOT / "recipes" / "rl-tiny.toml"), "--run-dir", str(run))
     out, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err
     ledger = Ledger.load(run / "ledger.jsonl")
@@ -89,7 +89,7 @@ for bit (tests/rl/test_crash_points.py says what else that takes)."""
 
 def _train_exact(run: Path, *, resume: bool = False, crash_at: str | None = None) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-m", "atelier.cli.main", "train"]
-    argv += ["--resume", str(run)] if resume else [str(ROOT / "recipes" / "rl-tiny.toml"), "--run-dir", str(run)]
+    argv += [str(ROOT / "recipes" / "rl-tiny.toml"), "--run-dir", str(run)]   # the same command continues
     for a in EXACT:
         argv += ["--set", a]
     env = {k: v for k, v in os.environ.items() if k != "ATELIER_CRASH_AT"}
@@ -114,7 +114,7 @@ def uninterrupted(tmp_path_factory) -> Path:
 def test_one_rank_killed_mid_step_resumes_to_the_uninterrupted_runs_weights(tmp_path, uninterrupted, victim):
     """Rank `victim` dies by SIGKILL in step 2, after its backward (gradients reduced, no optimizer
     step yet); the other rank is then inside the step's next collective. The job stops with a message
-    naming the dead rank; `--resume` restarts both from step 1's checkpoint and ends with the
+    naming the dead rank; the same command again restarts both from step 1's checkpoint and ends with the
     uninterrupted run's ledger, metrics (timings aside) and final weights, bit for bit."""
     import torch
     from safetensors.torch import load_file

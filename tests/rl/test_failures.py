@@ -109,7 +109,7 @@ def test_a_bug_stops_the_run_names_the_slot_and_resumes_with_nothing_lost(tiny_m
     assert code == 1, output
     assert "Traceback" not in output                       # the message, not a traceback, on the console
     assert "failed with a bug" in output and "of task toy-00001" in output
-    assert "KeyError" in output and "--resume" in output
+    assert "KeyError" in output and f"--run-dir {run}" in output
     buggy = [s for s in Ledger.load(run / "ledger.jsonl").slots.values() if s.task_id == "toy-00001"]
     assert buggy and any(s.slot_id in output for s in buggy)     # the slot is named
     # Neither dropped nor trained: queued again (or still running when the run stopped), same attempt.
@@ -119,7 +119,7 @@ def test_a_bug_stops_the_run_names_the_slot_and_resumes_with_nothing_lost(tiny_m
     assert "bug g" in log and "Traceback (most recent call last)" in log and "no such key" in log
 
     fixed.touch()                                          # the user fixes the bug
-    code, output = _atelier(capsys, "train", "--resume", str(run), "--quiet")
+    code, output = _atelier(capsys, "train", "--run-dir", str(run), "--quiet")   # continues, as the hint says
     assert code == 0, output
     ledger = Ledger.load(run / "ledger.jsonl")
     counts = ledger.counts()
@@ -184,7 +184,7 @@ def test_the_taxonomy_table():
 def test_ray_errors_are_sorted_at_the_seam():
     """A dead actor is infrastructure; a rollout that raised keeps its own type and the worker's traceback."""
     exceptions = pytest.importorskip("ray.exceptions")
-    from atelier.rl.ray_launcher import remote_failure
+    from atelier.rl.ray_backend import remote_failure
 
     dead = remote_failure(exceptions.ActorDiedError())
     assert isinstance(dead, InfraError) and is_infra(dead)

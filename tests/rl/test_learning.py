@@ -61,7 +61,7 @@ def test_tiny_model_learns_the_toy_task_on_ray_with_the_delta_chain(ray_instance
 
 @pytest.mark.ray
 @pytest.mark.slow   # starting Ray and three actor processes takes over a minute on 2 cores
-def test_ray_launcher_runs_steps_through_actors_and_the_delta_chain(ray_instance, tiny_model_dir, tmp_path):
+def test_ray_backend_runs_steps_through_actors_and_the_delta_chain(ray_instance, tiny_model_dir, tmp_path):
     """The short Ray check: actors, the delta chain, in-flight versions."""
     config = load_config(TrainConfig, None, [
         f"model={tiny_model_dir}", "launcher=ray", "sync.kind=delta", "sync.full_every=2", "trainer.steps=3",

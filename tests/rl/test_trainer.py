@@ -12,10 +12,13 @@ from atelier.cli import main as cli
 from atelier.errors import AtelierError
 from atelier.inference.engine import LocalEngine
 from atelier.inference.types import SamplingParams
-from atelier.rl.advantages import weighted_advantage
+from atelier.rl.advantages import final_advantages, trained_samples, weighted_advantage
+from atelier.rl.metrics import sample_metrics, staleness_counts
 from atelier.rl.config import TrainerConfig
 from atelier.rl.sample import Sample
-from atelier.rl.trainer import Trainer, token_logprobs
+from atelier.rl import trainer as trainer_module
+from atelier.rl.trainer import Trainer
+from atelier.train.head import token_logprobs
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -34,7 +37,7 @@ def test_trainer_logprobs_match_the_sampler_so_on_policy_ratios_are_one(tiny_mod
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     metrics = trainer.train_step([sample])
     assert metrics["is_weight_mean"] == pytest.approx(1.0, abs=1e-3)
-    assert metrics["staleness_hist"] == {"0": len(gen.token_ids)}
+    assert staleness_counts([sample], 0) == {0: len(gen.token_ids)}   # sampled by the weights it trains
     assert trainer.step == 1
     assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
 
@@ -44,8 +47,8 @@ def test_train_cli_user_errors(tmp_path):
     result = runner.invoke(cli.app, ["train"])
     assert isinstance(result.exception, AtelierError)
     assert "no recipe" in str(result.exception)
-    result = runner.invoke(cli.app, ["train", "--resume", str(tmp_path)])
-    assert isinstance(result.exception, AtelierError) and "cannot resume" in str(result.exception)
+    result = runner.invoke(cli.app, ["train", "--run-dir", str(tmp_path)])
+    assert isinstance(result.exception, AtelierError) and "holds no run to continue" in str(result.exception)
     bad = tmp_path / "r.toml"
     bad.write_text("[rollout]\ngroup_sise = 4\n")
     result = runner.invoke(cli.app, ["train", str(bad)])
@@ -124,45 +127,37 @@ def test_adam_eps_turns_sign_descent_into_a_step_along_the_gradient(tiny_model_d
 
 
 def test_zero_advantage_samples_are_not_run_and_change_nothing(tiny_model_dir):
-    """With kl_beta = 0 a zero-advantage sample adds nothing to the gradient: the step is the
-    same without it, and it is counted, not trained (with kl_beta > 0 it is trained)."""
+    """With kl_beta = 0 a zero-advantage sample adds nothing to the gradient: the step over every
+    sample is the step over the ones `trained_samples` keeps, which does not run them (with
+    kl_beta > 0 it keeps them all)."""
     g = torch.Generator().manual_seed(3)
     samples = [Sample(torch.randint(0, 256, (9,), generator=g).tolist(), [0] + [1] * 8, [0.0] + [-3.0] * 8,
                       [-1] + [0] * 8, adv, "g", "t") for adv in (0.5, 0.0, -0.5, 0.0)]
+    kept = trained_samples(samples, kl_beta=0.0)
+    assert [s.advantage for s in kept] == [0.5, -0.5] and trained_samples(samples, kl_beta=0.1) == samples
     out = []
-    for batch in (samples, [s for s in samples if s.advantage]):
+    for batch in (samples, kept):
         trainer = Trainer(tiny_model_dir, TrainerConfig(precision="fp32", norm_tokens=16.0, lr=1e-3))
         out.append((trainer.train_step(batch), trainer.model.state_dict()))
     (m_all, w_all), (m_some, w_some) = out
-    assert m_all["skipped_zero_advantage"] == 2 and m_some["skipped_zero_advantage"] == 0
-    assert m_all["train_tokens"] == m_some["train_tokens"] == 16
-    assert m_all["staleness_hist"] == {"0": 32}   # staleness still counts every sample of the step
-    for k in w_all:
-        torch.testing.assert_close(w_all[k], w_some[k], rtol=0, atol=0)
-    trainer = Trainer(tiny_model_dir, TrainerConfig(precision="fp32", norm_tokens=16.0, kl_beta=0.1))
-    assert trainer.train_step(samples)["skipped_zero_advantage"] == 0
+    assert (m_all["train_tokens"], m_some["train_tokens"]) == (32, 16)   # run, and not run
+    assert m_all["loss"] == pytest.approx(m_some["loss"], rel=1e-6)
+    for k in w_all:   # up to the rounding of summing the same gradients over a bigger batch
+        torch.testing.assert_close(w_all[k], w_some[k], rtol=1e-5, atol=1e-7)
+    metrics = sample_metrics(staleness_counts(samples, 0), len(samples) - len(kept))
+    assert metrics == {"staleness_hist": {"0": 32}, "staleness_max": 0, "skipped_zero_advantage": 2}
 
 
 @pytest.mark.parametrize("scale", [0.0, 0.25])
-def test_negative_advantage_scale_trains_negatives_at_that_weight(tiny_model_dir, scale):
-    """`negative_advantage_scale` takes the step of the same samples with every negative advantage
-    multiplied by it, positives untouched; at 0 the samples below their group's mean are not run."""
-    g = torch.Generator().manual_seed(5)
-    samples = [Sample(torch.randint(0, 256, (9,), generator=g).tolist(), [0] + [1] * 8, [0.0] + [-3.0] * 8,
-                      [-1] + [0] * 8, adv, "g", "t") for adv in (0.5, -0.3, -0.2, 0.0)]
-    rescaled = [dataclasses.replace(s, advantage=s.advantage * scale if s.advantage < 0 else s.advantage)
-                for s in samples]
-    out = []
-    for batch, cfg_scale in ((samples, scale), (rescaled, 1.0), (samples, 1.0)):
-        trainer = Trainer(tiny_model_dir, TrainerConfig(precision="fp32", norm_tokens=16.0, lr=1e-3,
-                                                        negative_advantage_scale=cfg_scale))
-        out.append((trainer.train_step(batch), trainer.model.state_dict()))
-    (m_scaled, w_scaled), (m_manual, w_manual), (_, w_reference) = out
-    for k in w_scaled:
-        torch.testing.assert_close(w_scaled[k], w_manual[k], rtol=0, atol=0)
-    assert any(not torch.equal(w_scaled[k], w_reference[k]) for k in w_scaled)   # the knob did something
-    assert m_scaled["skipped_zero_advantage"] == (3 if scale == 0.0 else 1)
-    assert m_scaled["loss"] == m_manual["loss"]
+def test_negative_advantage_scale_sets_the_final_advantage_of_samples_below_the_mean(scale):
+    """`negative_advantage_scale`: the advantage a sample leaves `atelier.rl.advantages` with is its
+    group advantage, times the scale when it is negative; at 0 the samples below their group's mean
+    have advantage 0 and are not run."""
+    rewards = [1.0, 0.2, 0.3, None, 0.5]
+    plain = [0.5, -0.3, -0.2, None, 0.0]
+    final = final_advantages(rewards, scale)
+    assert final == pytest.approx([0.5, -0.3 * scale, -0.2 * scale, None, 0.0])
+    assert final_advantages(rewards) == pytest.approx(plain)
     assert weighted_advantage(-0.4, 0.5) == -0.2 and weighted_advantage(0.4, 0.0) == 0.4
     with pytest.raises(ValueError, match="negative_scale"):
         weighted_advantage(-1.0, 1.5)
@@ -220,61 +215,11 @@ def test_a_prefix_tree_runs_shared_tokens_once_and_takes_the_same_step(tiny_mode
             torch.testing.assert_close(w1[k], w0[k], rtol=0, atol=2e-5)
 
 
-def test_a_recomputed_prefix_holds_no_graph_until_its_backward(tiny_model_dir):
-    """`recompute_prefix`: while the continuations run, the prefix's keys and values come from a
-    forward without a graph (its activations are not held); its backward runs it again and gives
-    the gradients of the kept graph."""
-    from transformers import AutoModelForCausalLM
-
-    from atelier.distributed import PolicyHead
-
-    lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    head = PolicyHead(lm)
-    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(5))
-    grads = []
-    for recompute in (False, True):
-        head.zero_grad(set_to_none=True)
-        prefix = head.encode_prefix(ids[:, :30], recompute=recompute)
-        assert all((k.grad_fn is None) == recompute for k, _ in prefix.kv)
-        logp, _ = head(ids[:, 30:], torch.ones(1, 10, dtype=torch.long), prefix=prefix)
-        logp.sum().backward()
-        prefix.backward()
-        grads.append({n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None})
-    kept, recomputed = grads
-    assert kept.keys() == recomputed.keys() and "model.layers.0.self_attn.k_proj.weight" in kept
-    for name in kept:
-        torch.testing.assert_close(recomputed[name], kept[name], rtol=1e-5, atol=1e-7)
-
-
-def test_prefix_forest_shares_runs_of_the_minimum_length_and_stops_before_a_split():
-    from atelier.rl.prefix_tree import positions_run, prefix_forest
-
-    prompt = list(range(100))
-    a = prompt + [1] * 80 + [5, 6]          # a and b share 180 tokens, c only the prompt
-    b = prompt + [1] * 80 + [7, 8, 9]
-    c = prompt + [2] * 10
-    nodes, leaves = prefix_forest([a, b, c], minimum=64)
-    assert leaves == []
-    (root,) = nodes
-    # the root feeds 0..98 and reads token 99's logprob last: token 100 is the first the continuations differ in
-    assert (root.start, root.end, root.members, root.leaves) == (0, 99, [0, 1, 2], [2])
-    (pair,) = root.children
-    assert (pair.start, pair.end, pair.members, pair.leaves, pair.children) == (99, 179, [0, 1], [0, 1], [])
-    assert positions_run((nodes, leaves), [182, 183, 110]) == 99 + 80 + (182 - 179) + (183 - 179) + (110 - 99)
-    # below the minimum nothing is shared; a lone sequence is a leaf; a sequence inside another is covered
-    assert prefix_forest([a, b, c], minimum=200) == ([], [0, 1, 2])
-    assert prefix_forest([a]) == ([], [0])
-    nodes, leaves = prefix_forest([a, a[:150]], minimum=64)
-    assert leaves == [] and (nodes[0].start, nodes[0].end, nodes[0].leaves) == (0, 149, [0])
-
-
 def test_each_cpu_step_hands_back_the_heap_it_freed(tiny_model_dir, monkeypatch):
     """The trainer trims glibc's heaps after every step on the CPU (see
-    `atelier.distributed.trim_freed_memory`, tested in test_distributed.py)."""
-    from atelier import distributed as D
-
+    `atelier.train.devices.trim_freed_memory`, tested in tests/train/test_devices.py)."""
     trims = []
-    monkeypatch.setattr(D, "trim_freed_memory", lambda: trims.append(1) or True)
+    monkeypatch.setattr(trainer_module, "trim_freed_memory", lambda: trims.append(1) or True)
     trainer = Trainer(tiny_model_dir, TrainerConfig(norm_tokens=8.0, lr=1e-3))
     sample = Sample([5, 17, 99, 3, 250, 7], [0, 0, 0, 1, 1, 1], [0.0] * 3 + [-2.0] * 3, [-1] * 6, 1.0, "g", "t")
     for _ in range(2):

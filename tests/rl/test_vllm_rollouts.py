@@ -113,7 +113,7 @@ def _train(*extra: str) -> subprocess.Popen:
 @pytest.mark.timeout(2400)  # two server starts (before and after the kill): minutes each here
 def test_tiny_recipe_on_vllm_resumes_after_kill_9_of_the_trainer(tmp_path):
     """`atelier train` on vLLM killed with SIGKILL mid-run: its server group goes with it (the
-    watchdog), and `--resume` starts a new server from the last checkpoint's weights and trains
+    watchdog), and the same command again starts a new server from the last checkpoint's weights and trains
     every sample exactly once; the tokens sampled after the resume carry the checkpoint's version."""
     _need_vllm()
     run = tmp_path / "run"
@@ -133,7 +133,7 @@ def test_tiny_recipe_on_vllm_resumes_after_kill_9_of_the_trainer(tmp_path):
         time.sleep(0.5)
     assert not _alive(server), "the vLLM server outlived the trainer that started it"
 
-    resumed = _train("--resume", str(run))
+    resumed = _train(str(recipe), "--run-dir", str(run))
     out, err = resumed.communicate(timeout=1800)
     assert resumed.returncode == 0, err[-3000:]
     assert int((run / "vllm" / "vllm-server.pid").read_text()) != server  # a new server ran the rest

@@ -48,7 +48,3 @@ def agent(
                              overrides=overrides, api_key=api_key, quiet=quiet,
                              engine=engine.value, vllm_sets=vllm_sets)
     raise typer.Exit(code)
-
-
-def register(app: typer.Typer) -> None:
-    app.command("agent")(agent)

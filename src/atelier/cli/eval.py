@@ -11,24 +11,32 @@ from typing import List, Optional
 
 import typer
 
-from atelier.cli.options import ENGINE_HELP, VLLM_HELP, Backend, Engine
+from atelier.cli.options import ENGINE_HELP, SET_HELP, VLLM_HELP, Backend, Engine
 
 
 def eval_cmd(
+    recipe: Optional[Path] = typer.Argument(None, help="A TOML recipe of the evaluation's keys (passes, "
+                                            "concurrency, ..., and the agent's under agent)."),
     model: str = typer.Option(..., "--model", help="A model directory, a name (smollm2-135m), an "
                               "http(s) URL of an OpenAI-compatible server, scripted:gold, "
                               "scripted:empty or script:FILE."),
     tasks: Path = typer.Option(..., "--tasks", help="A task directory or a suite of them."),
-    out: Path = typer.Option(..., "--out", help="Run directory; an existing one is resumed."),
+    run_dir: Path = typer.Option(..., "--run-dir", help="The run directory. Run the same command again to "
+                                 "continue it (finished attempts are kept; more passes or tasks add "
+                                 "attempts); one holding another model's evaluation is refused."),
     split: Optional[str] = typer.Option(None, "--split", help="Only this split of the suite (e.g. test)."),
-    passes: int = typer.Option(1, "--passes", min=1, help="Attempts per task (K of pass@k)."),
-    concurrency: int = typer.Option(1, "--concurrency", min=1, help="Attempts running at once."),
-    max_turns: Optional[int] = typer.Option(None, "--max-turns", min=1, help="Agent turns per attempt."),
-    temperature: Optional[float] = typer.Option(None, "--temperature", min=0.0, help="Sampling temperature."),
+    passes: Optional[int] = typer.Option(None, "--passes", min=1, help="Attempts per task (K of pass@k); "
+                                         "--set passes=N."),
+    concurrency: Optional[int] = typer.Option(None, "--concurrency", min=1, help="Attempts running at once; "
+                                              "--set concurrency=N."),
+    max_turns: Optional[int] = typer.Option(None, "--max-turns", min=1, help="Agent turns per attempt; "
+                                            "--set agent.max_turns=N."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", min=0.0, help="Sampling temperature; "
+                                                "--set agent.sampling.temperature=T."),
     prices: Optional[Path] = typer.Option(None, "--prices", help="Price table TOML (default: the packaged one)."),
-    backend: Backend = typer.Option(Backend.bwrap, "--backend", help="bwrap (isolated) or local (isolates nothing)."),
-    agent_recipe: Optional[Path] = typer.Option(None, "--agent-config", help="AgentConfig TOML recipe."),
-    overrides: List[str] = typer.Option([], "--set", help="Agent config override, e.g. --set max_turns=20."),
+    backend: Optional[Backend] = typer.Option(None, "--backend", help="bwrap (isolated, the default) or local "
+                                              "(isolates nothing); --set backend=NAME."),
+    overrides: List[str] = typer.Option([], "--set", help=SET_HELP.format(example="agent.max_turns=20")),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY",
                                           help="Bearer key for an http(s) model server."),
     served_model: Optional[str] = typer.Option(None, "--served-model",
@@ -39,32 +47,28 @@ def eval_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the metrics as one JSON object only."),
 ) -> None:
     """Evaluate MODEL on TASKS: sandbox per attempt, agent loop, hidden-test grading.
-    Example: atelier eval --model scripted:gold --tasks suite/ --passes 2 --out runs/gold"""
-    # Long on purpose: one typer option per line is the command's interface; the body is short.
+    Example: atelier eval --model scripted:gold --tasks suite/ --passes 2 --run-dir runs/gold"""
     from atelier.config import load_config
     from atelier.eval.models import open_eval_model
     from atelier.eval.prices import load_prices
-    from atelier.eval.runner import EvalConfig, run_eval
+    from atelier.eval.runner import EvalConfig, EvalRecipe, run_eval
     from atelier.eval.tasks import load_tasks
-    from atelier.harness.config import AgentConfig
     from atelier.inference.config import inference_config
     from atelier.inference.types import owning
 
-    sets = list(overrides)
-    if max_turns is not None:
-        sets.append(f"max_turns={max_turns}")
-    if temperature is not None:
-        sets.append(f"sampling.temperature={temperature}")
-    agent_config = load_config(AgentConfig, agent_recipe, sets)
+    shortcuts = {"passes": passes, "concurrency": concurrency, "agent.max_turns": max_turns,
+                 "agent.sampling.temperature": temperature, "backend": backend and backend.value}
+    recipe_config = load_config(EvalRecipe, recipe, [*(f"{k}={v}" for k, v in shortcuts.items() if v is not None),
+                                                     *overrides])
+    config = EvalConfig(**recipe_config.model_dump(exclude={"agent"}))
     table = load_prices(prices)
     task_list = load_tasks(tasks, split)
     policy = open_eval_model(model, api_key=api_key, served_model=served_model,
                              inference=inference_config(engine.value, vllm_sets))
-    config = EvalConfig(passes=passes, concurrency=concurrency, backend=backend.value)
 
     if not as_json:
-        typer.echo(f"evaluating {policy.name} on {len(task_list)} "
-                   f"task(s) x {passes} pass(es), {concurrency} at a time -> {out}", err=True)
+        typer.echo(f"evaluating {policy.name} on {len(task_list)} task(s) x {config.passes} pass(es), "
+                   f"{config.concurrency} at a time -> {run_dir}", err=True)
 
     def progress(done: int, total: int, rec) -> None:
         if as_json:
@@ -74,8 +78,12 @@ def eval_cmd(
                    f"({rec.turns} turns, {rec.wall_s:.1f} s)", err=True)
 
     with owning(policy):
-        summary = run_eval(policy, task_list, out, agent_config=agent_config, config=config,
+        summary = run_eval(policy, task_list, run_dir, agent_config=recipe_config.agent, config=config,
                            prices=table, progress=progress)
+    _print_summary(summary, as_json)
+
+
+def _print_summary(summary, as_json: bool) -> None:
     m = summary.metrics
     if as_json:
         print(json.dumps({"run_dir": str(summary.run_dir), "ran": summary.ran,
@@ -92,7 +100,3 @@ def eval_cmd(
     wall = "n/a" if m.median_wall_s is None else f"{m.median_wall_s:.1f} s"
     typer.echo(f"  median cost {cost}   median latency {wall}   infra errors {m.infra_errors}")
     typer.echo(f"  results in {summary.run_dir}")
-
-
-def register(app: typer.Typer) -> None:
-    app.command("eval")(eval_cmd)

@@ -1,11 +1,11 @@
-"""Entry point of the `atelier` command.
+"""Entry point of the `atelier` command: the command list, and how errors look.
 
-`atelier --help` must answer in well under a second, so this module imports
-only typer at the top. Every command imports its heavy module (torch, ray,
-the sandbox backends) inside its own function body, after the arguments are
-parsed. Each command group lives in its own module of `atelier.cli` that
-defines `register(app)`; `register_subcommands` finds those modules by listing
-the package, so adding a command never touches this file.
+`atelier --help` must answer in well under a second, so this module and
+every command module import only typer at the top. Each command imports its
+heavy module (torch, ray, the sandbox backends) inside its own function body,
+after the arguments are parsed. The commands are listed here, in the order
+`--help` shows them; `rank` (what `atelier train` and `atelier pretrain`
+start once per trainer rank) is internal and hidden from it.
 
 `main` turns every `AtelierError` (a user error: bad config, missing tool)
 into `error: ...` / `hint: ...` on stderr and exit status 2, never a
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import typer
 
+from atelier.cli import agent, base_eval, eval, models, pretrain, rank, report, run, sandbox, serve, tasks, train
+
 app = typer.Typer(
     name="atelier",
     help="Train and evaluate agentic coding models.",
@@ -25,7 +27,18 @@ app = typer.Typer(
     add_completion=False,
 )
 
-_registered = False
+app.command("run")(run.run)
+app.command("train")(train.train)
+app.command("pretrain")(pretrain.pretrain_cmd)
+app.command("eval")(eval.eval_cmd)
+app.command("base-eval")(base_eval.base_eval_cmd)
+app.command("agent")(agent.agent)
+app.command("serve")(serve.serve)
+app.command("report")(report.report_cmd)
+app.add_typer(models.models_app, name="models")
+app.add_typer(tasks.tasks_app, name="tasks")
+app.add_typer(sandbox.sandbox_app, name="sandbox")
+app.command("rank", hidden=True)(rank.rank_cmd)
 
 
 def _show_version(value: bool) -> None:
@@ -46,35 +59,10 @@ def _root(
     """Options that come before any subcommand; `app`'s help is the user text."""
 
 
-def register_subcommands() -> None:
-    """Attach every command module's commands to `app` (once).
-
-    A module of `atelier.cli` takes part by defining `register(app)`; each
-    imports only typer at its top, so this stays cheap.
-    """
-    global _registered
-    if _registered:
-        return
-    _registered = True
-    import importlib
-    import pkgutil
-
-    import atelier.cli as package
-
-    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
-        if info.name in {"main", "__main__", "options"}:
-            continue
-        module = importlib.import_module(f"{package.__name__}.{info.name}")
-        register = getattr(module, "register", None)
-        if callable(register):
-            register(app)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; user errors print a message and a hint and exit with status 2."""
     from atelier.errors import AtelierError, BugError
 
-    register_subcommands()
     try:
         app(args=argv, prog_name="atelier")
     except (AtelierError, BugError) as exc:
@@ -85,8 +73,6 @@ def main(argv: list[str] | None = None) -> None:
             typer.echo(exc.hint, err=True)
         raise SystemExit(1 if isinstance(exc, BugError) else 2) from None
 
-
-register_subcommands()
 
 if __name__ == "__main__":
     main()

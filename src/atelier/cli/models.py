@@ -37,7 +37,3 @@ def list_(as_json: bool = typer.Option(False, "--json", help="Print JSON lines."
         else:
             where = row["path"] if row["pulled"] else "not pulled (atelier models pull " + row["name"] + ")"
             typer.echo(f"{row['name']:<16} {where}")
-
-
-def register(app: typer.Typer) -> None:
-    app.add_typer(models_app, name="models")

@@ -21,3 +21,6 @@ class Engine(str, enum.Enum):
 
 ENGINE_HELP = "builtin (atelier's engine) or vllm (a vLLM server from `make vllm-env`)."
 VLLM_HELP = "A vLLM option, e.g. --vllm tensor_parallel_size=2 or --vllm url=http://host:8000 (repeatable)."
+RUN_DIR_HELP = ("The run directory (default: runs/<recipe name>). Run the same command again to continue "
+                "the run it holds; with no recipe, the run continues with the config it began with.")
+SET_HELP = "Override a recipe key, e.g. --set {example} (repeatable)."

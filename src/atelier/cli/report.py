@@ -21,7 +21,3 @@ def report_cmd(
 
     path = build_report(run_dirs, out, max_trajectories=max_trajectories, title=title)
     typer.echo(str(path))
-
-
-def register(app: typer.Typer) -> None:
-    app.command("report")(report_cmd)

@@ -1,4 +1,4 @@
-"""`atelier run RECIPE [--set key=value ...] [--out RUN_DIR]`: the whole job.
+"""`atelier run RECIPE [--set key=value ...] [--run-dir DIR]`: the whole job.
 
 Imports only typer at the top; the pipeline (torch, transformers, the
 sandboxes) is imported inside the command.
@@ -11,12 +11,14 @@ from typing import List, Optional
 
 import typer
 
+from atelier.cli.options import SET_HELP
+
 
 def run(
     recipe: Path = typer.Argument(..., help="A TOML recipe, e.g. recipes/demo.toml."),
-    overrides: List[str] = typer.Option([], "--set", help="Override a recipe key: --set rl.trainer.steps=4 (repeatable)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="The run directory (default: runs/<recipe name>). "
-                                                           "Run the same command again to resume."),
+    overrides: List[str] = typer.Option([], "--set", help=SET_HELP.format(example="rl.trainer.steps=4")),
+    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="The run directory (default: runs/<recipe "
+                                           "name>). Run the same command again to continue the run it holds."),
     as_json: bool = typer.Option(False, "--json", help="Print every stage's outputs as one JSON object at the end."),
 ) -> None:
     """Get the model, build tasks, evaluate, SFT warm start, evaluate, asynchronous
@@ -32,15 +34,16 @@ def run(
 
     from atelier.config import load_config
     from atelier.pipeline.config import RunConfig
-    from atelier.pipeline.stages import STAGES, run_pipeline
+    from atelier.pipeline.runner import run_pipeline
+    from atelier.pipeline.stages import STAGE_NAMES
 
     config = load_config(RunConfig, recipe, overrides)
-    run_dir = out or Path("runs") / recipe.stem
+    run_dir = run_dir or Path("runs") / recipe.stem
     console = Console(stderr=True, highlight=False)
     start = time.monotonic()
     view = Progress(TextColumn("{task.description:<12}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     TextColumn("{task.fields[note]}"), console=console, transient=False)
-    bars = {stage: view.add_task(stage, total=None, start=False, note="", visible=False) for stage in STAGES}
+    bars = {stage: view.add_task(stage, total=None, start=False, note="", visible=False) for stage in STAGE_NAMES}
     current: list[str] = []
 
     def say(line: str) -> None:
@@ -131,7 +134,3 @@ def _caption(summary: dict) -> str:
 
 def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.1f}%"
-
-
-def register(app: typer.Typer) -> None:
-    app.command("run")(run)

@@ -113,7 +113,3 @@ def bench(
     for target, met in result["targets_met"].items():
         mark = "[green]met[/]" if met else ("[dim]n/a[/]" if met is None else "[red]missed[/]")
         console.print(f"  {target}: {mark}")
-
-
-def register(app: typer.Typer) -> None:
-    app.add_typer(sandbox_app, name="sandbox")

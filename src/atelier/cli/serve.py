@@ -50,7 +50,3 @@ def serve(
                    f"{engine.kv_bytes / 2**20:.0f} MiB for {engine.kv_cache_tokens} tokens) on "
                    f"http://{host}:{port}/v1", err=True)
         uvicorn.run(create_app(engine), host=host, port=port, log_level="warning")
-
-
-def register(app: typer.Typer) -> None:
-    app.command("serve")(serve)

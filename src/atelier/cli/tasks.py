@@ -155,7 +155,3 @@ def stats_cmd(
                f"   (reference benchmark {ref['reference benchmark']['lines_changed']}, "
                f"SWE-bench {ref['SWE-bench']['lines_changed']})")
     typer.echo(f"  median files changed  {fmt(stats['median_files_changed']):>8}")
-
-
-def register(app: typer.Typer) -> None:
-    app.add_typer(tasks_app, name="tasks")

@@ -5,6 +5,9 @@
 - `scripted:gold`: replays each task's gold patch through the agent's tools
   (`atelier.harness.replay`): every task should score 1, so it checks the
   tasks, the tools and the grader end to end;
+- `GoldReplay` (not a `--model`: `atelier run`'s SFT data): the same replays
+  as *token* models with the policy's tokenizer, so their trajectories carry
+  the token ids and loss masks a warm start trains on;
 - `scripted:empty`: submits at once without a change: every task should
   score 0;
 - `script:FILE`: replays a JSON list of assistant texts (the same for every
@@ -20,6 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from atelier.eval.records import EvalError
+from atelier.harness.parsing import format_call
+from atelier.harness.replay import gold_patch_script, task_replay_script
+from atelier.inference.scripted import ScriptedChatModel, ScriptedModel
 from atelier.tasks.schema import Task
 
 
@@ -31,14 +37,28 @@ class ScriptedPolicy:
         self._texts_for = texts_for
 
     def for_task(self, task: Task) -> Any:
-        from atelier.inference.scripted import ScriptedChatModel
-
         return ScriptedChatModel(self._texts_for(task), name=self.name)
 
 
-def gold_texts(task: Task) -> list[str]:
-    from atelier.harness.replay import gold_patch_script
+class GoldReplay:
+    """Per task, a scripted *token* model that replays the gold patch through the tools with
+    the policy's tokenizer, so its trajectories carry token ids and loss masks the SFT phase
+    trains on directly. `kind`: "located" (find the named function with grep, read it, edit)
+    or "gold" (read at the patch's line numbers); see `atelier.harness.replay`."""
 
+    name = "gold-replay"
+
+    def __init__(self, model_path: str, kind: str = "located") -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.kind = kind
+
+    def for_task(self, task: Task) -> ScriptedModel:
+        return ScriptedModel(self.tokenizer, task_replay_script(task, self.kind), name=self.name)
+
+
+def gold_texts(task: Task) -> list[str]:
     def read_original(rel: str) -> str:
         return (task.snapshot / rel).read_text(encoding="utf-8")
 
@@ -46,8 +66,6 @@ def gold_texts(task: Task) -> list[str]:
 
 
 def empty_texts(task: Task) -> list[str]:
-    from atelier.harness.parsing import format_call
-
     return [format_call("submit", {"message": "No change."})]
 
 

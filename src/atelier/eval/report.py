@@ -93,7 +93,7 @@ def discover_runs(path: str | Path) -> list[RunData]:
             runs.append(_eval_run(sub, f"{root.name}/{sub.name}"))
     if not runs:
         raise EvalError(f"{path} holds no evaluation results ({RESULTS_FILE}) and no training log",
-                        hint="run `atelier eval --out DIR` first, or pass a training run directory")
+                        hint="run `atelier eval --run-dir DIR` first, or pass a training run directory")
     return runs
 
 

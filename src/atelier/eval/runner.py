@@ -71,6 +71,13 @@ class EvalConfig(AtelierConfig):
     """Where task venvs are built (default `$ATELIER_CACHE/envs`)."""
 
 
+class EvalRecipe(EvalConfig):
+    """What `atelier eval RECIPE` reads (every key `--set` can override): the evaluation's
+    options and, under `agent`, the agent's."""
+
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+
+
 @dataclass
 class EvalSummary:
     run_dir: Path
@@ -177,13 +184,13 @@ def summarize(run_dir: str | Path, *, passes: int | None = None, threshold: floa
 def _prepare_run_dir(run_dir: Path, name: str, tasks: list[Task], config: EvalConfig,
                      agent_config: AgentConfig, source: Any) -> None:
     if run_dir.exists() and not run_dir.is_dir():
-        raise EvalError(f"--out {run_dir} is a file, not a run directory",
+        raise EvalError(f"--run-dir {run_dir} is a file, not a run directory",
                         hint="pass a new or existing run directory")
     run_dir.mkdir(parents=True, exist_ok=True)
     meta = read_json(run_dir / META_FILE)
     if meta is not None and meta.get("model") != name:
         raise EvalError(f"run directory {run_dir} holds an evaluation of model {meta.get('model')!r}, "
-                        f"not {name!r}", hint="use a new --out directory for each model")
+                        f"not {name!r}", hint="use a new --run-dir for each model")
     now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     ids = list(dict.fromkeys([*(meta or {}).get("tasks", []), *(t.id for t in tasks)]))
     write_json(run_dir / META_FILE, {

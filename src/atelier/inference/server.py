@@ -69,6 +69,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from atelier.errors import AtelierError
+from atelier.inference.engine import EngineBusy
+from atelier.inference.routes import encode_routes
 from atelier.inference.types import Generation, SamplingParams
 
 
@@ -229,13 +231,16 @@ def _extension(gen: Generation, prompt_ids: list[int] | None = None) -> dict[str
 
 def create_app(engine) -> FastAPI:
     """The FastAPI app serving `engine` (a `LocalEngine`); see the module docstring."""
-    # Long on purpose: FastAPI routes are closures over the engine and the settings, each a few lines;
-    # this function is the list of them.
-    from atelier.inference.engine import EngineBusy
-
     app = FastAPI(title="atelier inference")
-    tokenizer = engine.tokenizer
-    names = {engine.name, str(engine.path), engine.path.name}
+    served = _Served(engine)
+    _add_error_handlers(app)
+    _add_atelier_routes(app, served)
+    _add_openai_routes(app, served)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Errors as OpenAI-style JSON bodies: a full queue 503 with Retry-After, bad requests 4xx."""
 
     @app.exception_handler(EngineBusy)
     async def _busy(request: Request, exc: EngineBusy) -> JSONResponse:
@@ -255,44 +260,10 @@ def create_app(engine) -> FastAPI:
         message, param = _validation_message(list(exc.errors()))
         return _error(400, message, "send a JSON object as the OpenAI API describes", param=param)
 
-    def check_model(model: str | None) -> None:
-        if model is not None and model not in names:
-            raise BadRequest(f"model {model!r} is not served here; this server serves {engine.name!r}",
-                             hint="pass that name, or leave `model` out",
-                             status=404, param="model", code="model_not_found")
 
-    def checked(prompt: list[int], params: SamplingParams) -> None:
-        try:
-            engine.check_request(len(prompt), params.max_tokens, strict=True)
-        except AtelierError as exc:
-            raise BadRequest(exc.message, exc.hint, param="max_tokens" if "max_tokens" in exc.message else None)
-
-    def usage(prompt: list[int], gen: Generation) -> dict[str, int]:
-        return {"prompt_tokens": len(prompt), "completion_tokens": len(gen.token_ids),
-                "total_tokens": len(prompt) + len(gen.token_ids)}
-
-    def chat_prompt(req: ChatRequest) -> list[int]:
-        if not req.messages:
-            raise BadRequest("messages is empty", hint="send at least one message", param="messages")
-        for i, m in enumerate(req.messages):
-            if not isinstance(m.get("role"), str):
-                raise BadRequest(f"messages[{i}] has no role", param=f"messages.{i}.role",
-                                 hint="each message needs a role: system, user, assistant or tool")
-        messages = [{**m, "content": _text_of(m.get("content"))} for m in req.messages]
-        kwargs = {"tools": req.tools} if req.tools else {}
-        try:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                return_dict=False, **kwargs)
-        except Exception as exc:  # jinja errors: the messages do not fit the model's template
-            raise BadRequest(f"the chat template cannot render these messages: {exc}", param="messages") from exc
-        return [int(t) for t in ids]
-
-    def token_logprobs(gen: Generation) -> list[dict[str, Any]]:
-        out = []
-        for tok, lp in zip(gen.token_ids, gen.logprobs):
-            piece = tokenizer.decode([tok])
-            out.append({"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []})
-        return out
+def _add_atelier_routes(app: FastAPI, served: _Served) -> None:
+    """/health, /v1/models, /v1/generate (token ids in and out) and /v1/weights."""
+    engine = served.engine
 
     @app.get("/health")
     def health() -> dict[str, Any]:
@@ -311,7 +282,7 @@ def create_app(engine) -> FastAPI:
     @app.post("/v1/generate")
     async def generate(req: GenerateRequest, request: Request):
         params = req.params(256)
-        checked(req.prompt_ids, params)
+        served.checked(req.prompt_ids, params)
         try:
             gen = await _complete(engine, req.prompt_ids, params, request)
         except _ClientGone:
@@ -319,8 +290,6 @@ def create_app(engine) -> FastAPI:
         out = {"token_ids": gen.token_ids, "logprobs": gen.logprobs, "versions": gen.versions,
                "finish_reason": gen.finish_reason, "text": gen.text}
         if gen.routes is not None:
-            from atelier.inference.routes import encode_routes
-
             out["routes"] = encode_routes(gen.routes)
         return out
 
@@ -329,15 +298,20 @@ def create_app(engine) -> FastAPI:
         count = engine.update_weights_from_path(req.path, req.version)
         return {"version": engine.version, "tensors": count}
 
+
+def _add_openai_routes(app: FastAPI, served: _Served) -> None:
+    """/v1/completions and /v1/chat/completions (streaming or not)."""
+    engine = served.engine
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        check_model(req.model)
+        served.check_model(req.model)
         params = req.params(16)
         if isinstance(req.prompt, str):
-            prompt = await run_in_threadpool(tokenizer.encode, req.prompt)
+            prompt = await run_in_threadpool(served.tokenizer.encode, req.prompt)
         else:
             prompt = list(req.prompt)
-        checked(prompt, params)
+        served.checked(prompt, params)
         base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": int(time.time()), "model": engine.name}
         if req.stream:
@@ -348,21 +322,21 @@ def create_app(engine) -> FastAPI:
             return Response(status_code=499)
         logprobs = None
         if req.logprobs is not None:
-            pieces = [tokenizer.decode([t]) for t in gen.token_ids]
+            pieces = [served.tokenizer.decode([t]) for t in gen.token_ids]
             offsets = [sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
             logprobs = {"tokens": pieces, "token_logprobs": gen.logprobs,
                         "top_logprobs": [{} for _ in pieces], "text_offset": offsets}
         choice = {"index": 0, "text": visible_text(gen.text, params.stop, True), "logprobs": logprobs,
                   "finish_reason": gen.finish_reason,
                   "atelier": _extension(gen, prompt)}
-        return {**base, "choices": [choice], "usage": usage(prompt, gen)}
+        return {**base, "choices": [choice], "usage": served.usage(prompt, gen)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
-        check_model(req.model)
+        served.check_model(req.model)
         params = req.params(256)
-        prompt = await run_in_threadpool(chat_prompt, req)
-        checked(prompt, params)
+        prompt = await run_in_threadpool(served.chat_prompt, req)
+        served.checked(prompt, params)
         base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                 "created": int(time.time()), "model": engine.name}
         if req.stream:
@@ -380,11 +354,58 @@ def create_app(engine) -> FastAPI:
                 message = {"role": "assistant", "content": content or None, "tool_calls": calls}
                 finish = "tool_calls"
         choice = {"index": 0, "message": message,
-                  "logprobs": {"content": token_logprobs(gen)} if req.logprobs else None,
+                  "logprobs": {"content": served.token_logprobs(gen)} if req.logprobs else None,
                   "finish_reason": finish, "atelier": _extension(gen, prompt)}
-        return {**base, "choices": [choice], "usage": usage(prompt, gen)}
+        return {**base, "choices": [choice], "usage": served.usage(prompt, gen)}
 
-    return app
+
+class _Served:
+    """What the routes of `create_app` share: the engine, its tokenizer, the names it answers to,
+    and the checks and shapes every endpoint uses."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.tokenizer = engine, engine.tokenizer
+        self.names = {engine.name, str(engine.path), engine.path.name}
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.names:
+            raise BadRequest(f"model {model!r} is not served here; this server serves {self.engine.name!r}",
+                             hint="pass that name, or leave `model` out",
+                             status=404, param="model", code="model_not_found")
+
+    def checked(self, prompt: list[int], params: SamplingParams) -> None:
+        try:
+            self.engine.check_request(len(prompt), params.max_tokens, strict=True)
+        except AtelierError as exc:
+            raise BadRequest(exc.message, exc.hint, param="max_tokens" if "max_tokens" in exc.message else None)
+
+    @staticmethod
+    def usage(prompt: list[int], gen: Generation) -> dict[str, int]:
+        return {"prompt_tokens": len(prompt), "completion_tokens": len(gen.token_ids),
+                "total_tokens": len(prompt) + len(gen.token_ids)}
+
+    def chat_prompt(self, req: ChatRequest) -> list[int]:
+        if not req.messages:
+            raise BadRequest("messages is empty", hint="send at least one message", param="messages")
+        for i, m in enumerate(req.messages):
+            if not isinstance(m.get("role"), str):
+                raise BadRequest(f"messages[{i}] has no role", param=f"messages.{i}.role",
+                                 hint="each message needs a role: system, user, assistant or tool")
+        messages = [{**m, "content": _text_of(m.get("content"))} for m in req.messages]
+        kwargs = {"tools": req.tools} if req.tools else {}
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                return_dict=False, **kwargs)
+        except Exception as exc:  # jinja errors: the messages do not fit the model's template
+            raise BadRequest(f"the chat template cannot render these messages: {exc}", param="messages") from exc
+        return [int(t) for t in ids]
+
+    def token_logprobs(self, gen: Generation) -> list[dict[str, Any]]:
+        out = []
+        for tok, lp in zip(gen.token_ids, gen.logprobs):
+            piece = self.tokenizer.decode([tok])
+            out.append({"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []})
+        return out
 
 
 async def _until_disconnect(request: Request) -> None:

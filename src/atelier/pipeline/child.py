@@ -1,4 +1,4 @@
-"""One stage of `atelier run` in a process of its own (see `stages.run_in_child`).
+"""One stage of `atelier run` in a process of its own (see `runner.run_in_child`).
 
     python -m atelier.pipeline.child RUN_DIR RECIPE_DIR STAGE EVENTS_FD
 
@@ -18,13 +18,14 @@ import os
 import sys
 from pathlib import Path
 
+from atelier.config import load_config
+from atelier.errors import AtelierError, BugError
+from atelier.pipeline.config import RunConfig
+from atelier.pipeline.runner import StageLedger
+from atelier.pipeline.stages import BY_NAME, StageContext
+
 
 def main(argv: list[str]) -> int:
-    from atelier.config import load_config
-    from atelier.errors import AtelierError, BugError
-    from atelier.pipeline.config import RunConfig
-    from atelier.pipeline.stages import _Context, _Ledger
-
     run_dir, recipe_dir, stage, fd = Path(argv[0]), Path(argv[1]), argv[2], int(argv[3])
     with os.fdopen(fd, "w", encoding="utf-8", buffering=1) as events:
         def emit(**event: object) -> None:
@@ -32,9 +33,9 @@ def main(argv: list[str]) -> int:
 
         try:
             config = load_config(RunConfig, run_dir / "config.toml")
-            context = _Context(config, run_dir, recipe_dir, lambda text: emit(say=text), _Ledger(run_dir),
-                               lambda _stage, done, total: emit(progress=[done, total]))
-            emit(outputs=context.run(stage))
+            context = StageContext(config, run_dir, recipe_dir, lambda text: emit(say=text), StageLedger(run_dir),
+                                   lambda _stage, done, total: emit(progress=[done, total]))
+            emit(outputs=context.run(BY_NAME[stage]))
         except AtelierError as exc:
             emit(error=exc.message, hint=exc.hint)
             return 2

@@ -17,6 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from atelier.fsio import atomic_write, crash_point, told_when_disk_full
+from atelier.train.checkpoint import full_state_dict, save_sharded
+from atelier.train.collectives import barrier, named_failure
+from atelier.train.head import unwrap
+from atelier.train.ranks import ONE_CPU_RANK
 
 CHECKPOINTS = "checkpoints"
 
@@ -34,25 +38,23 @@ def save_checkpoint(run_dir: Path, head, tokenizer, optimizer, state: dict[str, 
     import numpy as np
     import torch
 
-    from atelier import distributed as D
-
-    ranks = ranks or D.Ranks(0, 1, 0, torch.device("cpu"))
+    ranks = ranks or ONE_CPU_RANK
     root = Path(run_dir) / CHECKPOINTS
     out = root / f"step-{state['global_step']:06d}"
     if ranks.main:
         if out.exists():
             shutil.rmtree(out)
         out.mkdir(parents=True)
-    D.barrier(ranks)
+    barrier(ranks)
     with told_when_disk_full(out, "writing the checkpoint"):
-        with D.named_failure("writing a checkpoint"):
-            weights = {k.removeprefix("lm."): v for k, v in D.full_state_dict(head, ranks).items()}
+        with named_failure("writing a checkpoint"):
+            weights = {k.removeprefix("lm."): v for k, v in full_state_dict(head, ranks).items()}
             if ranks.sharded and optimizer is not None:
-                D.save_sharded(out / "sharded", head, optimizer)
-            D.barrier(ranks)
+                save_sharded(out / "sharded", head, optimizer)
+            barrier(ranks)
         if not ranks.main:
             return out
-        D.unwrap(head).save_pretrained(out, state_dict=weights)
+        unwrap(head).save_pretrained(out, state_dict=weights)
         tokenizer.save_pretrained(out)
         torch.save({
             "optimizer": optimizer.state_dict() if optimizer is not None and not ranks.sharded else None,

@@ -68,18 +68,6 @@ def scale_rope_theta(model, factor: float, max_positions: int | None = None) -> 
     return new
 
 
-def pick_device(choice: str) -> str:
-    import torch
-
-    if choice not in ("auto", "cpu", "cuda"):
-        raise AtelierError(f"unknown device {choice!r}", hint="use auto, cpu or cuda")
-    if choice == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise AtelierError("device = \"cuda\" but torch sees no GPU", hint="use device = \"auto\" or \"cpu\"")
-    return choice
-
-
 def autocast(device: str, precision: str):
     """bf16 autocast where asked for (or, with "auto", on a GPU that supports it); else a no-op."""
     import torch

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from atelier.pretrain.config import PhaseConfig, PretrainConfig
+from atelier.pretrain.train import prepare_run_dir, run_pretrain
 
 
 def sft_on_trajectories(model: str | Path, trajectories: str | Path | Iterable[Any], run_dir: str | Path, *,
@@ -25,20 +26,18 @@ def sft_on_trajectories(model: str | Path, trajectories: str | Path | Iterable[A
     the segments' sampled tokens (their loss_mask), exactly what RL trains.
     `moe_precision`: the expert matmuls of an MoE model (PretrainConfig.moe_precision).
     """
-    from atelier.pretrain.train import run_pretrain
-
     run_dir = Path(run_dir)
-    if isinstance(trajectories, (str, Path)):
-        directory = Path(trajectories)
-    else:
-        directory = run_dir / "trajectories"
-        for i, traj in enumerate(trajectories):
-            traj.save(directory / f"{i:05d}-{traj.task_id.replace('/', '_')}.json")
+    given = isinstance(trajectories, (str, Path))
+    directory = Path(trajectories) if given else run_dir / "trajectories"
     phase = PhaseConfig(name="sft", kind="sft", steps=steps, seq_len=seq_len, lr=lr, micro_batch=micro_batch,
                         grad_accum=grad_accum, min_reward=min_reward, warmup_steps=warmup_steps,
                         trajectories=[str(directory)], chat=[str(c) for c in chat], weight_decay=0.0)
     config = PretrainConfig(model=str(model), phases=[phase], seed=seed, checkpoint_every=max(steps, 1),
                             moe_precision=moe_precision)
+    prepare_run_dir(config, run_dir)   # the run directory first, then the trajectories into it
+    if not given:
+        for i, traj in enumerate(trajectories):
+            traj.save(directory / f"{i:05d}-{traj.task_id.replace('/', '_')}.json")
     result = run_pretrain(config, run_dir, quiet=quiet)
     assert result.final_model is not None
     return result.final_model

@@ -21,9 +21,9 @@ everything but state.json), `pretrain.after_checkpoint`,
 `pretrain.before_final`; tests/pretrain/test_pretrain_ranks.py kills a rank
 at them and resumes to the uninterrupted run.
 
-N ranks (`ranks = N`; `atelier pretrain` starts them, see atelier.launch):
+N ranks (`ranks = N`; `atelier pretrain` starts them, see atelier.train.launch):
 every rank draws the same rows in the same order (the data cursor is a
-counter), trains the token-balanced share `atelier.distributed.step_plan`
+counter), trains the token-balanced share `atelier.train.batching.step_plan`
 gives it, and divides its summed NLL by the *step's* target count over all
 rows, so FSDP's gradient sum is the one-rank gradient. Rank 0 writes the
 metrics, the Hugging Face checkpoints and the final model (the full weights
@@ -40,19 +40,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from atelier.config import dump_config
-from atelier.errors import AtelierError
 from atelier.fsio import append_line, atomic_dir, atomic_write, crash_point
 from atelier.pretrain.batches import ExampleBatches, MixtureBatches
 from atelier.pretrain.checkpoint import latest_checkpoint, load_trainer_state, restore_rng, save_checkpoint
 from atelier.pretrain.config import PhaseConfig, PretrainConfig
+from atelier.inference.models import resolve_or_build_tiny
+from atelier.moe.attach import RouterHook, attach
+from atelier.pretrain.modeling import load_model_and_tokenizer, scale_rope_theta
 from atelier.pretrain.schedule import lr_at
+from atelier.rundir import RunDirError, freeze_config
+from atelier.train.batching import step_plan
+from atelier.train.checkpoint import full_state_dict, load_sharded
+from atelier.train.collectives import all_reduce_sum, barrier, clip_grad_norm, named_failure
+from atelier.train.devices import resolve_precision
+from atelier.train.fsdp import compute_weights, grad_scale, shard
+from atelier.train.head import PolicyHead
+from atelier.train.ranks import joined_ranks
 
 METRICS = "metrics.jsonl"
-
-
-class RunDirError(AtelierError):
-    """A run directory that cannot be started or resumed."""
 
 
 @dataclass
@@ -64,144 +69,185 @@ class RunResult:
     losses: list[float] = field(default_factory=list)  # training loss of every step this call ran
     evals: dict[str, Any] | None = None
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"run_dir": str(self.run_dir), "final_model": str(self.final_model) if self.final_model else None,
+                "global_step": self.global_step, "stopped": self.stopped, "losses": self.losses,
+                "evals": self.evals}
 
-def run_pretrain(config: PretrainConfig, run_dir: str | Path, *, resume: bool = False,
-                 quiet: bool = True) -> RunResult:
-    """Run (or resume) every phase of `config` in `run_dir`; return where the model is."""
-    from atelier import distributed as D
-
-    if D.env_world() != config.ranks and (D.env_world() > 1 or config.ranks > 1):
-        raise D.DistributedError(f"ranks = {config.ranks} but this process is one of {D.env_world()} rank(s)",
-                                 hint="let `atelier pretrain` start the ranks (it reads `ranks`), or give "
-                                      "torchrun --nproc-per-node equal to ranks")
-    with D.joined_ranks(config.device, config.timeout_s) as ranks:
-        return _run_phases(config, Path(run_dir), resume, quiet, ranks)
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunResult:
+        return cls(Path(d["run_dir"]), Path(d["final_model"]) if d["final_model"] else None, d["global_step"],
+                   d["stopped"], d["losses"], d["evals"])
 
 
-def _run_phases(config: PretrainConfig, run_dir: Path, resume: bool, quiet: bool, ranks) -> RunResult:
-    # Long on purpose: resume and corpus set-up, then each phase's loop in commit order (batches,
-    # step, metrics, checkpoint), as torchtitan's train loop reads; helpers hold each line's logic.
+def run_pretrain(config: PretrainConfig, run_dir: str | Path, *, quiet: bool = True) -> RunResult:
+    """Run every phase of `config` in `run_dir`, or continue the run there from its last
+    checkpoint; return where the model is."""
+    with joined_ranks(config.device, config.timeout_s, wanted=config.ranks, key="ranks",
+                      command="atelier pretrain") as ranks:
+        return _run_phases(config, Path(run_dir), quiet, ranks)
+
+
+def _run_phases(config: PretrainConfig, run_dir: Path, quiet: bool, ranks) -> RunResult:
+    """Each phase's loop in commit order (batches, step, metrics, checkpoint), as torchtitan's
+    train loop reads; `_open` restores or starts the run, `_finish` writes the final model."""
+    run = _open(config, run_dir, quiet, ranks)
+    result = RunResult(run_dir, None, run.state["global_step"], False)
+    for index in range(run.state["phase"], len(config.phases)):
+        if _run_phase(run, index, result):
+            return result
+    return _finish(run, result)
+
+
+@dataclass
+class _Run:
+    """What one pretrain run holds open across its phases."""
+
+    config: PretrainConfig
+    run_dir: Path
+    ranks: Any
+    checkpoint: Path | None
+    state: dict[str, Any]
+    """phase, phase_step, global_step, cursor: where the run is (what a checkpoint commits)."""
+    payload: dict[str, Any] | None
+    model: Any
+    tokenizer: Any
+    router: RouterHook
+    head: PolicyHead
+    corpus: Any
+    log: _Logger
+    precision: str
+
+    @property
+    def device(self) -> str:
+        return str(self.ranks.device)
+
+
+def _open(config: PretrainConfig, run_dir: Path, quiet: bool, ranks) -> _Run:
+    """Start the run in `run_dir`, or restore it from its last checkpoint: the model, its
+    head, the RNGs and the data."""
     import torch
 
-    from atelier import distributed as D
-    from atelier.pretrain.modeling import load_model_and_tokenizer, scale_rope_theta
-
-    checkpoint = _prepare_run_dir(config, run_dir, resume, write=ranks.main)
-    D.barrier(ranks)
+    if ranks.main:
+        prepare_run_dir(config, run_dir)
+    barrier(ranks)
+    checkpoint = latest_checkpoint(run_dir)
     if config.threads:
         torch.set_num_threads(config.threads)
-    device = str(ranks.device)
-    precision = D.resolve_precision(config.precision, ranks.device)
+    precision = resolve_precision(config.precision, ranks.device)
     torch.manual_seed(config.seed)
     state: dict[str, Any] = {"phase": 0, "phase_step": 0, "global_step": 0, "cursor": None}
     payload = None
     if checkpoint is not None:
         state, payload = load_trainer_state(checkpoint)
-        if ranks.main:
-            _truncate_metrics(run_dir / METRICS, state["global_step"])
+    if ranks.main:   # lines after the checkpoint (all, at a first start) are written again
+        _truncate_metrics(run_dir / METRICS, state["global_step"])
     model_spec = config.model
     if config.model in ("tiny", "tiny-moe"):
-        from atelier.inference.models import resolve_or_build_tiny
-
         if ranks.main:
             resolve_or_build_tiny(config.model, run_dir, seed=config.seed)   # built once, reused on resume
-        D.barrier(ranks)
+        barrier(ranks)
         model_spec = str(run_dir / "base-model")
-    model, tokenizer = load_model_and_tokenizer(str(checkpoint or model_spec), device)
-    from atelier.moe.attach import attach
-
-    routing = attach(model, config.moe_precision, router_replay=False)   # None for a dense model
-    head = D.shard(D.PolicyHead(model, config.logprob_chunk), ranks, precision,
-                   activation_checkpointing=config.activation_checkpointing)
+    model, tokenizer = load_model_and_tokenizer(str(checkpoint or model_spec), str(ranks.device))
+    router = attach(model, config.moe_precision, router_replay=False)   # does nothing on a dense model
+    head = shard(PolicyHead(model, config.logprob_chunk), ranks, precision,
+                 activation_checkpointing=config.activation_checkpointing)
     if payload is not None:
         restore_rng(payload)
     if ranks.main:   # one rank tokenizes; the others then read the finished cache
         corpus = _corpus(config, tokenizer, run_dir, quiet)
-    D.barrier(ranks)
+    barrier(ranks)
     if not ranks.main:
         corpus = _corpus(config, tokenizer, run_dir, True)
     log = _Logger(run_dir / METRICS, quiet, enabled=ranks.main)
-    result = RunResult(run_dir, None, state["global_step"], False)
-    for index in range(state["phase"], len(config.phases)):
-        phase = config.phases[index]
-        mid_phase = index == state["phase"] and state["phase_step"] > 0
-        start = state["phase_step"] if mid_phase else 0
-        if start >= phase.steps:
-            continue
-        if not mid_phase and phase.rope_theta_scale != 1.0:
-            theta = scale_rope_theta(model, phase.rope_theta_scale, phase.seq_len)
-            # `step`: the first step it holds for, so a resume from before that step logs it again
-            log.event({"step": state["global_step"] + 1, "phase": phase.name, "rope_theta": theta})
-        batches = _batches(config, phase, index, corpus, tokenizer, state["cursor"] if mid_phase else None)
-        # fused, as the RL trainer's (one kernel per tensor, no list-wide temporaries): the same update
-        optimizer = torch.optim.AdamW(head.parameters(), lr=phase.lr, betas=phase.betas,
-                                      weight_decay=phase.weight_decay, fused=True)
-        if mid_phase and checkpoint is not None and (checkpoint / "sharded").is_dir():
-            with D.named_failure("reading the sharded checkpoint"):
-                D.load_sharded(checkpoint / "sharded", head, optimizer)
-        elif mid_phase and payload is not None and payload["optimizer"] is not None:
-            if ranks.sharded:
-                raise RunDirError(f"{checkpoint} was written by one rank and holds no sharded optimizer",
-                                  hint="resume it with --set ranks=1")
-            optimizer.load_state_dict(payload["optimizer"])
-        for step in range(start, phase.steps):
-            metrics = _train_step(head, optimizer, batches, phase, step, ranks, precision, routing)
-            state = {"phase": index, "phase_step": step + 1, "global_step": state["global_step"] + 1,
-                     "cursor": batches.cursor()}
-            result.losses.append(metrics["loss"])
-            if (step + 1) % config.log_every == 0 or step + 1 == phase.steps:
-                log.step({"step": state["global_step"], "phase": phase.name, "phase_step": step + 1,
-                          **metrics})
-            crash_point("pretrain.after_metrics")
-            if config.eval_every and state["global_step"] % config.eval_every == 0 and corpus.heldout:
-                val = _val_loss(head, corpus.heldout, phase, config, device)
-                log.event({"step": state["global_step"], "phase": phase.name, "val_loss": val})
-            last = step + 1 == phase.steps
-            if last or state["global_step"] % config.checkpoint_every == 0:
-                save_checkpoint(run_dir, head, tokenizer, optimizer, state, config.keep_checkpoints, ranks)
-                crash_point("pretrain.after_checkpoint")
-            if config.stop_after is not None and state["global_step"] >= config.stop_after and not (
-                    last and index == len(config.phases) - 1):
-                result.global_step, result.stopped = state["global_step"], True
-                D.barrier(ranks)
-                return result
-    result.global_step = state["global_step"]
-    final = run_dir / "final"
-    with D.named_failure("gathering the final weights"):
-        weights = {k.removeprefix("lm."): v for k, v in D.full_state_dict(head, ranks).items()}
+    return _Run(config, run_dir, ranks, checkpoint, state, payload, model, tokenizer, router, head, corpus, log,
+                precision)
+
+
+def _run_phase(run: _Run, index: int, result: RunResult) -> bool:
+    """Phase `index`, from where the run stands; True when `stop_after` stopped the run in it."""
+    import torch
+
+    config, ranks, head, state = run.config, run.ranks, run.head, run.state
+    phase = config.phases[index]
+    mid_phase = index == state["phase"] and state["phase_step"] > 0
+    start = state["phase_step"] if mid_phase else 0
+    if start >= phase.steps:
+        return False
+    if not mid_phase and phase.rope_theta_scale != 1.0:
+        theta = scale_rope_theta(run.model, phase.rope_theta_scale, phase.seq_len)
+        # `step`: the first step it holds for, so a resume from before that step logs it again
+        run.log.event({"step": state["global_step"] + 1, "phase": phase.name, "rope_theta": theta})
+    batches = _batches(config, phase, index, run.corpus, run.tokenizer, state["cursor"] if mid_phase else None)
+    # fused, as the RL trainer's (one kernel per tensor, no list-wide temporaries): the same update
+    optimizer = torch.optim.AdamW(head.parameters(), lr=phase.lr, betas=phase.betas,
+                                  weight_decay=phase.weight_decay, fused=True)
+    if mid_phase:
+        _restore_optimizer(run, optimizer)
+    for step in range(start, phase.steps):
+        metrics = _train_step(head, optimizer, batches, phase, step, ranks, run.precision, run.router)
+        state = run.state = {"phase": index, "phase_step": step + 1, "global_step": state["global_step"] + 1,
+                             "cursor": batches.cursor()}
+        result.losses.append(metrics["loss"])
+        if (step + 1) % config.log_every == 0 or step + 1 == phase.steps:
+            run.log.step({"step": state["global_step"], "phase": phase.name, "phase_step": step + 1, **metrics})
+        crash_point("pretrain.after_metrics")
+        if config.eval_every and state["global_step"] % config.eval_every == 0 and run.corpus.heldout:
+            val = _val_loss(head, run.corpus.heldout, phase, config, run.device)
+            run.log.event({"step": state["global_step"], "phase": phase.name, "val_loss": val})
+        last = step + 1 == phase.steps
+        if last or state["global_step"] % config.checkpoint_every == 0:
+            save_checkpoint(run.run_dir, head, run.tokenizer, optimizer, state, config.keep_checkpoints, ranks)
+            crash_point("pretrain.after_checkpoint")
+        if config.stop_after is not None and state["global_step"] >= config.stop_after and not (
+                last and index == len(config.phases) - 1):
+            result.global_step, result.stopped = state["global_step"], True
+            barrier(ranks)
+            return True
+    return False
+
+
+def _restore_optimizer(run: _Run, optimizer) -> None:
+    """The optimizer state of the phase the run's checkpoint was taken in."""
+    checkpoint, payload = run.checkpoint, run.payload
+    if checkpoint is not None and (checkpoint / "sharded").is_dir():
+        with named_failure("reading the sharded checkpoint"):
+            load_sharded(checkpoint / "sharded", run.head, optimizer)
+    elif payload is not None and payload["optimizer"] is not None:
+        if run.ranks.sharded:
+            raise RunDirError(f"{checkpoint} was written by one rank and holds no sharded optimizer",
+                              hint="it began on one rank: continue it with ranks = 1")
+        optimizer.load_state_dict(payload["optimizer"])
+
+
+def _finish(run: _Run, result: RunResult) -> RunResult:
+    """The final model (the full weights gathered from the shards), the loss plot, the base-model
+    evals and summary.json, written by rank 0."""
+    result.global_step = run.state["global_step"]
+    final = run.run_dir / "final"
+    with named_failure("gathering the final weights"):
+        weights = {k.removeprefix("lm."): v for k, v in full_state_dict(run.head, run.ranks).items()}
     result.final_model = final
-    if not ranks.main:
+    if not run.ranks.main:
         return result
     crash_point("pretrain.before_final")
     with atomic_dir(final) as tmp:
-        model.save_pretrained(tmp, state_dict=weights)
-        tokenizer.save_pretrained(tmp)
-    _plot(run_dir)
-    if config.evals.enabled:
-        result.evals = _base_evals(config, final, corpus, run_dir, device)
-    atomic_write(run_dir / "summary.json", json.dumps({
+        run.model.save_pretrained(tmp, state_dict=weights)
+        run.tokenizer.save_pretrained(tmp)
+    _plot(run.run_dir)
+    if run.config.evals.enabled:
+        result.evals = _base_evals(run.config, final, run.corpus, run.run_dir, run.device)
+    atomic_write(run.run_dir / "summary.json", json.dumps({
         "final_model": str(final), "global_step": result.global_step,
-        "phases": [p.name for p in config.phases], "evals": result.evals}, indent=1) + "\n")
+        "phases": [p.name for p in run.config.phases], "evals": result.evals}, indent=1) + "\n")
     return result
 
 
-def _prepare_run_dir(config: PretrainConfig, run_dir: Path, resume: bool, write: bool = True) -> Path | None:
-    checkpoint = latest_checkpoint(run_dir)
-    if resume:
-        if not (run_dir / "config.toml").is_file():
-            raise RunDirError(f"{run_dir} is not a pretrain run directory (no config.toml)",
-                              hint="pass the directory a previous `atelier pretrain` wrote")
-        return checkpoint
-    if checkpoint is not None or (run_dir / "final").exists():
-        raise RunDirError(f"{run_dir} already holds a run",
-                          hint=f"resume it with --resume {run_dir}, or choose another run directory")
-    if not write:
-        return None
-    run_dir.mkdir(parents=True, exist_ok=True)
-    # stop_after is a property of this call, not of the run: a resume must not stop again.
-    (run_dir / "config.toml").write_text(dump_config(config.model_copy(update={"stop_after": None})))
-    (run_dir / METRICS).unlink(missing_ok=True)
-    return None
+def prepare_run_dir(config: PretrainConfig, run_dir: Path) -> bool:
+    """Freeze `config` in `run_dir`, or check it against the run there (`atelier.rundir`); True
+    when the run is continued. `stop_after` is left out: it is a property of one call, not of the
+    run, so a continued run does not stop again."""
+    return freeze_config(config.model_copy(update={"stop_after": None}), run_dir, command="atelier pretrain")
 
 
 def _corpus(config: PretrainConfig, tokenizer, run_dir: Path, quiet: bool):
@@ -232,14 +278,12 @@ def _batches(config: PretrainConfig, phase: PhaseConfig, index: int, corpus, tok
 
 
 def _train_step(head, optimizer, batches, phase: PhaseConfig, step: int, ranks, precision: str,
-                routing=None) -> dict[str, Any]:
-    """One optimizer step; on an MoE model (`routing`, a RouterReplay that only observes) also the
-    routers' load balance over every position they saw this step on this rank."""
+                router: RouterHook | None = None) -> dict[str, Any]:
+    """One optimizer step; on an MoE model (`router`, which only observes) also the routers' load
+    balance over every position they saw this step on this rank."""
     import numpy as np
     import torch
 
-    from atelier import distributed as D
-    from atelier.moe.metrics import expert_counts, load_balance
 
     started = time.perf_counter()
     lr = lr_at(step, lr=phase.lr, steps=phase.steps, warmup_steps=phase.warmup_steps,
@@ -250,32 +294,30 @@ def _train_step(head, optimizer, batches, phase: PhaseConfig, step: int, ranks, 
     ids_RS = np.concatenate([ids for ids, _ in micro])
     mask_RS = np.concatenate([mask for _, mask in micro])
     total = max(int(mask_RS[:, 1:].sum()), 1)   # the step's targets over all ranks: the one normaliser
-    plan = D.step_plan([int(m.sum()) + 1 for m in mask_RS], ranks.world, ranks.rank, phase.micro_batch)
+    plan = step_plan([int(m.sum()) + 1 for m in mask_RS], ranks.world, ranks.rank, phase.micro_batch)
     head.train()
     loss_sum = 0.0
-    counts_E = None
-    with D.named_failure(f"step {step + 1} of phase '{phase.name}'"):
-        with D.compute_weights([head], ranks, precision):
+    with named_failure(f"step {step + 1} of phase '{phase.name}'"):
+        with compute_weights([head], ranks, precision):
             for rows in plan:
                 ids = torch.from_numpy(ids_RS[rows] if rows else ids_RS[:1]).to(ranks.device)
                 mask = torch.from_numpy(mask_RS[rows] if rows else np.zeros_like(mask_RS[:1])).to(ranks.device)
                 logp_NS, _ = head(ids, torch.ones_like(ids))
                 nll = -(logp_NS * mask).sum()
-                (nll * (D.grad_scale(ranks) / total)).backward()
+                (nll * (grad_scale(ranks) / total)).backward()
                 loss_sum += float(nll.detach())
-                if routing is not None and rows:
-                    c = expert_counts(routing.used(), routing.num_experts)
-                    counts_E = c if counts_E is None else counts_E + c
+                if router is not None and rows:
+                    router.count_experts()
         crash_point("pretrain.after_backward")   # mid-step: gradients reduced, no step taken
-        grad_norm = D.clip_grad_norm(head.parameters(), phase.grad_clip)
+        grad_norm = clip_grad_norm(head.parameters(), phase.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        loss_sum = D.all_reduce_sum([loss_sum], ranks)[0]
+        loss_sum = all_reduce_sum([loss_sum], ranks)[0]
     elapsed = time.perf_counter() - started
     tokens = phase.grad_accum * phase.micro_batch * phase.seq_len
     return {"loss": loss_sum / total, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
             "targets": total, "tokens_per_s": tokens / elapsed, "step_s": elapsed, "ranks": ranks.world,
-            **(load_balance(counts_E) if counts_E is not None else {})}
+            **(router.load_balance() if router is not None else {})}
 
 
 def _val_loss(head, stream, phase: PhaseConfig, config: PretrainConfig, device: str) -> float | None:
@@ -346,5 +388,5 @@ def _base_evals(config: PretrainConfig, final: Path, corpus, run_dir: Path, devi
 
     repos = corpus.heldout_repos if corpus is not None else []
     if not repos:  # e.g. only JSONL sources: nothing laid out as a repository to read whole
-        return {"skipped": "no held-out code repositories; run `atelier evals base --repo DIR`"}
+        return {"skipped": "no held-out code repositories; run `atelier base-eval --repo DIR`"}
     return run_base_evals(str(final), repos, config.evals, out_dir=run_dir, device=device)

@@ -1,9 +1,15 @@
-"""Group advantages and group statistics (pure).
+"""Group advantages and group statistics (pure): a sample leaves here with the advantage
+the trainer uses, and the step runs only the samples that contribute to it.
 
 Dr. GRPO style: the advantage of a sample is its reward minus the mean reward
 of its group. We do not divide by the group's standard deviation — that
 up-weights groups whose rewards barely differ (nearly solved or nearly
-hopeless tasks) and biases the gradient toward them.
+hopeless tasks) and biases the gradient toward them. A recipe may then train
+the samples below their group's mean at a fraction of their advantage
+(`weighted_advantage`); `final_advantages` is both, what the reconciler
+records for each member of a group. With no KL term a sample whose final
+advantage is 0 adds exactly nothing to the loss or its gradient, so a step
+does not run it (`trained_samples`).
 
 Rewards of samples lost to infrastructure failures arrive as `None`: they are
 excluded from the mean and get no advantage (they are retried upstream, never
@@ -13,6 +19,8 @@ scored 0 — PITFALLS: scoring them 0 biased the advantages of their group).
 from __future__ import annotations
 
 from typing import Sequence
+
+from atelier.rl.sample import Sample
 
 
 def group_advantages(rewards: Sequence[float | None]) -> list[float | None]:
@@ -38,6 +46,21 @@ def weighted_advantage(advantage: float, negative_scale: float) -> float:
     if not 0.0 <= negative_scale <= 1.0:
         raise ValueError(f"negative_scale must be in [0, 1], got {negative_scale}")
     return advantage * negative_scale if advantage < 0.0 else advantage
+
+
+def final_advantages(rewards: Sequence[float | None], negative_scale: float = 1.0) -> list[float | None]:
+    """What each valid member of a group is trained with: its group advantage, a negative one
+    then times `negative_scale` (`weighted_advantage`); None stays None."""
+    return [None if a is None else weighted_advantage(a, negative_scale) for a in group_advantages(rewards)]
+
+
+def trained_samples(samples: Sequence[Sample], kl_beta: float) -> list[Sample]:
+    """The samples a step runs. With `kl_beta = 0` a sample whose advantage is 0 (every member of
+    a zero-variance group; with `negative_advantage_scale = 0`, every sample below its group's
+    mean) adds exactly nothing to the loss or its gradient, so it is not run: on a CPU a forward
+    and backward of a 2,000-token rollout costs tens of seconds. With a KL term it still pulls
+    towards the reference, so every sample is run."""
+    return list(samples) if kl_beta else [s for s in samples if s.advantage != 0.0]
 
 
 def tied(rewards: Sequence[float]) -> bool:

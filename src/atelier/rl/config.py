@@ -76,9 +76,10 @@ class TrainerConfig(AtelierConfig):
     """k1 KL coefficient; 0 never loads the reference model."""
     negative_advantage_scale: float = Field(1.0, ge=0, le=1)
     """What a sample whose reward is below its group's mean is trained with: its advantage times
-    this (atelier.rl.advantages.weighted_advantage). 1 is the reference's reward minus the group
-    mean; 0 trains only the samples that beat their group (with kl_beta = 0 the others are not
-    run), each still weighted by how far it beat the mean. Samples above the mean are never scaled."""
+    this (atelier.rl.advantages.final_advantages, which the reconciler records for every member of
+    a group). 1 is the reference's reward minus the group mean; 0 trains only the samples that beat
+    their group (with kl_beta = 0 the others are not run), each still weighted by how far it beat
+    the mean. Samples above the mean are never scaled."""
     norm_tokens: float = Field(1024.0, gt=0)
     """The constant the summed token loss is divided by."""
     micro_batch: int = Field(8, ge=1)
@@ -103,7 +104,7 @@ class TrainerConfig(AtelierConfig):
     activation_checkpointing: bool = False
     """Recompute each decoder layer in the backward instead of keeping its activations (with
     share_prefix too: the continuations read the prefix's keys and values from a cache that a
-    recompute cannot grow, atelier.prefix_cache)."""
+    recompute cannot grow, atelier.train.prefix.ReadOnlyKVCache)."""
     moe_precision: Literal["bf16", "mxfp8", "nvfp4_fwd_mxfp8_bwd"] = "bf16"
     """Expert matmuls of a mixture-of-experts model (atelier.kernels): "bf16" leaves them in the
     model's dtype; "mxfp8" runs forward and backward in MXFP8; "nvfp4_fwd_mxfp8_bwd" the forward
@@ -116,7 +117,7 @@ class TrainerConfig(AtelierConfig):
     atelier.harness.trajectory). Needs inference.engine = "builtin"."""
     share_prefix: bool = True
     """Run each run of tokens that several samples of a step share forward and backward once
-    (atelier.rl.prefix_tree): the system prompt once a step, a group's task and the turns its
+    (atelier.train.prefix): the system prompt once a step, a group's task and the turns its
     members sampled alike once a group, each member's own tokens after them. The same step up to
     rounding; on the demo's rollouts a step of 2 groups of 6 fed 5,804 positions instead of
     25,745 and took 58.2 s instead of 98.6 with only the system prompt shared (benchmarks/RESULTS.md).

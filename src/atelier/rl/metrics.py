@@ -15,12 +15,13 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from atelier.errors import AtelierError
 from atelier.fsio import append_line, atomic_write
 from atelier.rl.advantages import group_stats
 from atelier.rl.reconciler import Batch
+from atelier.rl.sample import Sample
 from atelier.failures import is_out_of_memory
 from atelier.tasks.tamper import is_tampered
 
@@ -113,6 +114,24 @@ def step_metrics(*, step: int, batch: Batch, ledger_counts: dict[str, int], trai
         "ledger": ledger_counts,
         **train,
     }
+
+
+def staleness_counts(samples: Sequence[Sample], step: int) -> Counter[int]:
+    """How many trained tokens were sampled how many steps before `step` (the policy being
+    updated): a token trained at step k + 1 is k - version(token) steps stale."""
+    counts: Counter[int] = Counter()
+    for s in samples:
+        for v, mk in zip(s.versions[1:], s.loss_mask[1:]):
+            if mk:
+                counts[step - v] += 1
+    return counts
+
+
+def sample_metrics(staleness: Counter[int], skipped: int) -> dict[str, Any]:
+    """A step's staleness histogram over every sample of its batch, and the samples it did not
+    run (`skipped_zero_advantage`: zero advantage and no KL term, `trained_samples`)."""
+    return {"staleness_hist": {str(k): v for k, v in sorted(staleness.items())},
+            "staleness_max": max(staleness) if staleness else 0, "skipped_zero_advantage": skipped}
 
 
 def failure_counts(batch: Batch, counters) -> dict[str, int]:

@@ -14,7 +14,7 @@ Threads and ordering (the concurrency seam of the whole run):
   (`Ledger.deferred_sync`), and a batch's trajectories missing from memory
   (graded before a restart) are read after `next_batch` chose the batch.
 - A `Batch` carries what the trainer and the step's metrics need: the
-  groups, each trained slot (reward, advantage) and its trajectory.
+  groups, each trained slot (reward, final advantage) and its trajectory.
 - Versions: `self.version` is the number of committed optimizer steps, which
   is also the engine's weight version once `commit` runs (the trainer
   updates the engine *before* committing). A group records the version at
@@ -66,7 +66,7 @@ from typing import Any, Callable, Protocol, Sequence
 from atelier.errors import AtelierError, BugError
 from atelier.failures import FailureLog, backoff_s, classify, describe
 from atelier.harness.trajectory import Trajectory
-from atelier.rl.advantages import group_advantages, tied
+from atelier.rl.advantages import final_advantages, tied
 from atelier.rl.config import RolloutConfig
 from atelier.rl.curriculum import Curriculum
 from atelier.rl.ledger import Group, Ledger, Slot
@@ -130,7 +130,7 @@ class FailureBreaker:
         if self.streak < self.limit:
             return None
         return RolloutsFailing(f"{self.streak} rollouts in a row failed; the last: {why}",
-                               hint="check the engine and the sandboxes; the run can be resumed with --resume")
+                               hint="check the engine and the sandboxes, then run the same command again to continue")
 
 
 @dataclass
@@ -150,10 +150,13 @@ class Reconciler:
     def __init__(self, *, ledger: Ledger, tasks: Sequence[Any], category: Callable[[Any], str],
                  backend: RolloutBackend, cfg: RolloutConfig, curriculum: Curriculum,
                  rollouts_dir: Path, seed: int, version: int, total_steps: int = 0,
-                 failure_log: FailureLog | None = None) -> None:
+                 failure_log: FailureLog | None = None, negative_scale: float = 1.0) -> None:
         self.ledger, self.backend, self.cfg, self.curriculum = ledger, backend, cfg, curriculum
         self.category, self.rollouts_dir, self.seed = category, rollouts_dir, seed
         self.version, self.total_steps = version, total_steps
+        self.negative_scale = negative_scale
+        """`trainer.negative_advantage_scale`: the final advantages of a group's members
+        (`atelier.rl.advantages.final_advantages`) are what the ledger records and the trainer uses."""
         self.staleness = 0 if cfg.mode == "sync" else cfg.max_staleness
         self.tasks = {t.id: t for t in tasks}
         admitted = ledger.task_ids()
@@ -286,9 +289,9 @@ class Reconciler:
             self.fatal = BugError(
                 f"rollout {slot.slot_id} of task {slot.task_id} failed with a bug, not an infrastructure "
                 f"failure: {type(exc).__name__}: {str(exc)[:300]}",
-                hint=f"the traceback is in {self.failure_log.path}; fix the bug, then continue the run "
-                     f"(atelier train --resume {run_dir}, or the same atelier run command): this rollout "
-                     "runs again and nothing trained so far is lost")
+                hint=f"the traceback is in {self.failure_log.path}; fix the bug, then run the same command "
+                     f"again to continue (atelier train --run-dir {run_dir} continues this run): this "
+                     "rollout runs again and nothing trained so far is lost")
 
     def _wake(self) -> None:
         """A retry's backoff is over: launch what may run now."""
@@ -311,7 +314,7 @@ class Reconciler:
             self._drop(group, slots, f"{TIED_REASON}: every member scored {rewards[0]:g}")
             self.counters.tied_groups += 1
             return
-        for s, adv in zip(valid, group_advantages(rewards)):
+        for s, adv in zip(valid, final_advantages(rewards, self.negative_scale)):
             self.ledger.set(s.slot_id, "ready", advantage=adv)
 
     def _drop(self, group: Group, slots: Sequence[Slot], reason: str) -> None:

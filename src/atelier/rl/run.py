@@ -1,4 +1,4 @@
-"""`run_training(config, run_dir, resume)`: the whole RL run, one screen of driver.
+"""`run_training(config, run_dir)`: the whole RL run, one screen of driver.
 
 The driver is the trainer's thread:
 
@@ -28,8 +28,8 @@ from `make_weight_sync`, `make_backend`, the `Reconciler`), then
 `train_step` per batch, `save_final_checkpoint`, `write_summary`.
 
 With `trainer.ranks = N` this function runs in N processes (`atelier train`
-starts them; see `atelier.launch`): rank 0 is the driver above, the others
-only follow its trainer calls (`atelier.rl.ranks`: every collective is
+starts them; see `atelier.train.launch`): rank 0 is the driver above, the others
+only follow its trainer calls (`atelier.rl.mirror`: every collective is
 announced, then made, so all ranks enter the same collectives in the same
 order) and return None. Nothing else in the driver changes.
 
@@ -47,21 +47,20 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
-from atelier.config import dump_config
-from atelier.errors import AtelierError
 from atelier.fsio import atomic_write, crash_point
+from atelier.rl.advantages import trained_samples
 from atelier.rl.checkpoint import committed_checkpoint, latest_checkpoint, read_meta, save_checkpoint, start_rng
 from atelier.rl.config import TrainConfig
 from atelier.rl.curriculum import Curriculum
 from atelier.rl.env import make_environment
 from atelier.rl.ledger import Ledger
-from atelier.rl.metrics import MetricsWriter, committed_counts, make_loggers, step_metrics
+from atelier.rl.metrics import (MetricsWriter, committed_counts, make_loggers, sample_metrics, staleness_counts,
+                                step_metrics)
+from atelier.rl.mirror import Commands, follow, lead
 from atelier.rl.reconciler import Batch, Reconciler
 from atelier.rl.weight_sync import WeightSync, make_weight_sync, map_tensors
-
-
-class RunDirError(AtelierError):
-    """A run directory that cannot be started or resumed."""
+from atelier.rundir import freeze_config
+from atelier.train.ranks import joined_ranks
 
 
 @dataclass
@@ -84,23 +83,16 @@ class TrainSummary:
         return out
 
 
-def prepare_run_dir(config: TrainConfig, run_dir: Path, resume: bool) -> None:
-    if resume:
-        if not (run_dir / "config.toml").exists():
-            raise RunDirError(f"{run_dir} is not a run directory (no config.toml)",
-                              hint="pass the directory a previous `atelier train` wrote")
-        return
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise RunDirError(f"run directory {run_dir} already exists and is not empty",
-                          hint=f"resume it with --resume {run_dir}, or pick a new --run-dir")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(dump_config(config))
+def prepare_run_dir(config: TrainConfig, run_dir: Path) -> bool:
+    """Freeze `config` in `run_dir`, or check it against the run there (`atelier.rundir`); True
+    when the run is continued. A continued run may be given more (or fewer) `trainer.steps`."""
+    return freeze_config(config, run_dir, command="atelier train", may_change=("trainer.steps",))
 
 
 def make_backend(config: TrainConfig, env, model_path: Path, version: int, reader: WeightSync,
                  chain_root: Path | None, work_dir: Path | None = None):
     if config.launcher == "ray":
-        from atelier.rl.ray_launcher import RayBackend
+        from atelier.rl.ray_backend import RayBackend
 
         return RayBackend(config, model_path, version, chain_root=chain_root, reader=reader)
     from atelier.rl.backends import LocalBackend
@@ -151,7 +143,7 @@ class Run:
         self.ledger.close()
 
 
-def run_training(config: TrainConfig, run_dir: str | Path, resume: bool = False,
+def run_training(config: TrainConfig, run_dir: str | Path,
                  on_step: Callable[[dict[str, Any]], None] | None = None) -> TrainSummary | None:
     """Train until the epoch (or `trainer.steps`) is done; resumable after any crash.
 
@@ -159,13 +151,15 @@ def run_training(config: TrainConfig, run_dir: str | Path, resume: bool = False,
     it after (`inference.forward.threads`).
     On trainer ranks other than 0 it follows rank 0 and returns None."""
     from atelier.inference.forward import threads
-    from atelier.rl.ranks import follow, join_ranks
 
-    with threads(config.trainer.threads), join_ranks(config) as (ranks, commands):
+    t = config.trainer
+    with threads(t.threads), joined_ranks(t.device, t.timeout_s, wanted=t.ranks, key="trainer.ranks",
+                                          command="atelier train") as ranks:
+        commands = Commands(ranks) if ranks.sharded else None
         if not ranks.main:
             follow(partial(make_trainer, config, ranks=ranks, rng=True), commands)
             return None
-        run = open_run(config, Path(run_dir), resume, ranks, commands)
+        run = open_run(config, Path(run_dir), ranks, commands)
         try:
             run.reconciler.start()
             while True:
@@ -184,7 +178,7 @@ def run_training(config: TrainConfig, run_dir: str | Path, resume: bool = False,
         return write_summary(run)
 
 
-def open_run(config: TrainConfig, run_dir: Path, resume: bool, ranks=None, commands=None) -> Run:
+def open_run(config: TrainConfig, run_dir: Path, ranks=None, commands=None) -> Run:
     """Restore (or start) the trainer, ledger, weight sync, rollout backend and reconciler."""
     from transformers.utils import logging as hf_logging
 
@@ -192,10 +186,10 @@ def open_run(config: TrainConfig, run_dir: Path, resume: bool, ranks=None, comma
 
     hf_logging.disable_progress_bar()
     started = time.perf_counter()
-    prepare_run_dir(config, run_dir, resume)
+    prepare_run_dir(config, run_dir)
     loggers = make_loggers(config.loggers, run_dir, config.model_dump(mode="json"))
     metrics = MetricsWriter(run_dir / "metrics.jsonl")
-    ckpt = committed_checkpoint(run_dir, metrics.last_step()) if resume else None
+    ckpt = committed_checkpoint(run_dir, metrics.last_step())   # None at a first start
     metrics.truncate_after(read_meta(ckpt)["step"] if ckpt else 0)
     for_vllm = config.inference.engine == "vllm"
     model_path = ckpt / "model" if ckpt else resolve_or_build_tiny(config.model, run_dir, seed=config.seed,
@@ -213,7 +207,8 @@ def open_run(config: TrainConfig, run_dir: Path, resume: bool, ranks=None, comma
     reconciler = Reconciler(ledger=ledger, tasks=env.tasks(), category=env.category, backend=backend,
                             cfg=config.rollout, curriculum=Curriculum(config.curriculum),
                             rollouts_dir=run_dir / "rollouts", seed=config.seed, version=trainer.step,
-                            total_steps=config.trainer.steps)
+                            total_steps=config.trainer.steps,
+                            negative_scale=config.trainer.negative_advantage_scale)
     run = Run(config, run_dir, trainer, _tokenizer(model_path), ledger, weights, backend, reconciler,
               metrics, loggers, started=started)
     # last, once the engine and weight sync are built: whatever their construction draws from the
@@ -224,10 +219,8 @@ def open_run(config: TrainConfig, run_dir: Path, resume: bool, ranks=None, comma
 
 def restore_trainer(config: TrainConfig, model_path: Path, ckpt: Path | None, ranks=None, commands=None):
     """A trainer on `model_path`; with a checkpoint, its step and optimizer state too.
-    With N ranks, rank 0's trainer leads the followers' (atelier.rl.ranks)."""
+    With N ranks, rank 0's trainer leads the followers' (atelier.rl.mirror)."""
     if commands is not None:
-        from atelier.rl.ranks import lead
-
         return lead(partial(make_trainer, config, ranks=ranks), model_path, ckpt, commands)
     return make_trainer(config, model_path, ckpt, ranks=ranks)
 
@@ -268,7 +261,10 @@ def train_step(run: Run, batch: Batch, *, idle_s: float) -> dict[str, Any]:
     """One step, in the commit order of the module docstring; returns its metrics record."""
     busy_from = time.perf_counter()
     config, trainer = run.config, run.trainer
-    train = trainer.train_step(batch.samples())
+    samples = batch.samples()
+    staleness = staleness_counts(samples, trainer.step)
+    trained = trained_samples(samples, config.trainer.kl_beta)
+    train = trainer.train_step(trained)
     step = trainer.step
     crash_point("rl.after_train")
     if step % config.trainer.checkpoint_every == 0:
@@ -284,7 +280,7 @@ def train_step(run: Run, batch: Batch, *, idle_s: float) -> dict[str, Any]:
     run.idle_s += idle_s
     run.busy_s += busy_s
     record = step_metrics(step=step, batch=batch, ledger_counts=committed_counts(run.ledger, batch),
-                          train=train, sync=sync, engine_swap_s=engine_swap_s,
+                          train={**train, **sample_metrics(staleness, len(samples) - len(trained))}, sync=sync, engine_swap_s=engine_swap_s,
                           counters=run.reconciler.take_counters(), idle_s=idle_s, busy_s=busy_s,
                           wall_s=time.perf_counter() - run.started, mode=config.rollout.mode)
     run.metrics.write(record)  # commits the step

@@ -7,54 +7,57 @@ batched, gradients accumulated): it recomputes every token's logprob under
 the *current* weights (never reusing the sampler's — PITFALLS: setting old
 logprobs equal to rollout logprobs made the correction a no-op), computes
 the loss of `atelier.rl.loss` against the sampler's logprobs, and steps.
-With `kl_beta = 0` a sample whose advantage is 0 (every member of a
-zero-variance group; with `negative_advantage_scale = 0`, every sample below
-its group's mean) adds exactly nothing to the loss or its gradient, so it
-is not run at all (`skipped_zero_advantage` counts them): on a CPU a forward
-and backward of a 2,000-token rollout costs tens of seconds.
-Logprobs are those of log_softmax(logits / temperature), the same quantity
+The samples arrive with their final advantages (`atelier.rl.advantages`),
+and only those the step runs (`trained_samples`): the trainer changes
+neither. Logprobs are those of log_softmax(logits / temperature), the same quantity
 the engine reports (see atelier.inference.sampling), computed in chunks of
 `logprob_chunk` tokens so no fp32 [B, T, V] is ever held.
 
 On one rank (`share_prefix`), the step walks the tree of token runs its
-samples share (`atelier.rl.prefix_tree`): each run is fed once over its
+samples share (`atelier.train.prefix`): each run is fed once over its
 parent's keys and values, its trained tokens' loss is every member's own
 terms on its one logprob per token, and each sample's own tail is fed last
 (`positions_run` against `positions_whole` in the metrics).
 
 With `trainer.ranks = N` every rank builds a `Trainer` and calls
 `train_step` with the *same* list of samples (the launcher broadcasts it):
-each rank trains the share `atelier.distributed.step_plan` gives it (token-
+each rank trains the share `atelier.train.batching.step_plan` gives it (token-
 balanced, the same number of micro-batches everywhere), FSDP2 sums the
 gradients, and the loss divides by the one constant `norm_tokens`, so N
 ranks take the one-rank step (tests/rl/test_distributed.py checks it).
-Metrics are summed across ranks; the staleness histogram is computed from
-all samples on every rank.
+Metrics are summed across ranks. On an MoE model the trainer calls its
+router hook (`atelier.moe.attach.RouterHook`) around every micro-batch: it
+replays the sampler's experts (`router_replay`), counts tokens per expert and
+how often the routing agrees with the sampler's.
 
 The policy version is the number of optimizer steps taken: the weights after
-step k are version k. Staleness of a token trained at step k is
-(k - 1) - version(token).
+step k are version k.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from contextlib import nullcontext
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from atelier import distributed as D
 from atelier.fsio import crash_point
-from atelier.rl.advantages import weighted_advantage
-from atelier.rl.config import TrainerConfig
+from atelier.moe.attach import attach
 from atelier.moe.metrics import sampler_mismatch
+from atelier.rl.checkpoint import save_rng
+from atelier.rl.config import TrainerConfig
 from atelier.rl.loss import LossInputs, policy_loss
-from atelier.rl.prefix_tree import PrefixNode, positions_run, prefix_forest
 from atelier.rl.sample import Sample
+from atelier.train.batching import step_plan
+from atelier.train.checkpoint import full_state_dict, load_sharded, save_sharded
+from atelier.train.collectives import all_reduce_max, all_reduce_sum, clip_grad_norm, named_failure
+from atelier.train.devices import peak_memory_gb, resolve_precision, trim_freed_memory
+from atelier.train.fsdp import compute_weights, grad_scale, shard
+from atelier.train.head import PolicyHead
+from atelier.train.prefix import PrefixNode, SharedPrefix, encode_prefix, positions_run, prefix_forest
+from atelier.train.ranks import DistributedError, Ranks, init_ranks
 
 METRIC_SUMS = ("loss", "tokens", "is_weight_mean", "is_truncated_frac", "kl_k1", "sampler_mismatch", "entropy",
                "sampler_k1", "route_rows", "route_matches")
@@ -90,40 +93,26 @@ class _StepSums:
         return loss
 
 
-def token_logprobs(model, ids_BT: torch.Tensor, attn_BT: torch.Tensor, temperature: float,
-                   want_entropy: bool = False, chunk: int = D.LOGPROB_CHUNK
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(token_t | tokens_<t) for t >= 1 (position 0 gets 0), and per-token entropy.
-
-    `model` is a Hugging Face causal LM or a `PolicyHead` around one (the trainer's).
-    """
-    head = model if isinstance(model, D.PolicyHead) else D.PolicyHead(model, chunk)
-    return head(ids_BT, attn_BT, temperature, want_entropy)
-
-
 class Trainer:
     def __init__(self, model_dir: str | Path, cfg: TrainerConfig, *, temperature: float = 1.0,
-                 step: int = 0, ranks: D.Ranks | None = None) -> None:
+                 step: int = 0, ranks: Ranks | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         self.cfg, self.temperature, self.step = cfg, temperature, step
-        self.ranks = ranks or D.init_ranks(cfg.device, cfg.timeout_s)
-        self.precision = D.resolve_precision(cfg.precision, self.ranks.device)
+        self.ranks = ranks or init_ranks(cfg.device, cfg.timeout_s)
+        self.precision = resolve_precision(cfg.precision, self.ranks.device)
         dtype = getattr(torch, cfg.dtype)
         lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         lm.train()
-        from atelier.moe.attach import attach
-
-        self.routing = attach(lm, cfg.moe_precision, cfg.router_replay)   # None for dense models
-        self.expert_tokens: torch.Tensor | None = None
-        self.head = D.shard(D.PolicyHead(lm, cfg.logprob_chunk), self.ranks, self.precision,
+        self.router = attach(lm, cfg.moe_precision, cfg.router_replay)   # does nothing on a dense model
+        self.head = shard(PolicyHead(lm, cfg.logprob_chunk), self.ranks, self.precision,
                             activation_checkpointing=cfg.activation_checkpointing)
         self.model = self.head.lm   # the Hugging Face model (sharded parameters when ranks > 1)
         self.ref = None
         if cfg.kl_beta > 0:
             ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
             ref.requires_grad_(False)
-            self.ref = D.shard(D.PolicyHead(ref, cfg.logprob_chunk), self.ranks, self.precision)
+            self.ref = shard(PolicyHead(ref, cfg.logprob_chunk), self.ranks, self.precision)
         # fused: one kernel per tensor; on this CPU 0.18 CPU-s per step for 135M fp32 parameters
         # against 1.36 for the default foreach kernels (same update; peak memory about the same)
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, betas=cfg.betas,
@@ -156,28 +145,21 @@ class Trainer:
     def train_step(self, samples: list[Sample]) -> dict[str, Any]:
         """One optimizer step over `samples` (the same list on every rank); returns metrics."""
         start = time.perf_counter()
-        all_samples = samples
-        if self.cfg.negative_advantage_scale != 1.0:
-            samples = [replace(s, advantage=weighted_advantage(s.advantage, self.cfg.negative_advantage_scale))
-                       for s in samples]
-        if self.cfg.kl_beta == 0.0:
-            samples = [s for s in samples if s.advantage != 0.0]
         self.optimizer.zero_grad(set_to_none=True)
         totals = _StepSums()
         forest = self._forest(samples)
-        with D.named_failure(f"trainer step {self.step + 1}"):
-            with D.compute_weights([self.head, self.ref], self.ranks, self.precision):
+        with named_failure(f"trainer step {self.step + 1}"):
+            with compute_weights([self.head, self.ref], self.ranks, self.precision):
                 self._train_forest(samples, *forest, None, None, totals)
             crash_point("trainer.after_backward")   # mid-step: gradients reduced, no step taken
-            grad_norm = D.clip_grad_norm(self.head.parameters(), self.cfg.max_grad_norm)
+            grad_norm = clip_grad_norm(self.head.parameters(), self.cfg.max_grad_norm)
             self.optimizer.step()
-            sums = dict(zip(METRIC_SUMS, D.all_reduce_sum([totals.sums[k] for k in METRIC_SUMS], self.ranks)))
-            ratio_max, neg_ratio_min, mismatch_max, peak_gb = D.all_reduce_max(
-                [totals.ratio_max, totals.neg_ratio_min, totals.mismatch_max, D.peak_memory_gb(self.ranks.device)],
+            sums = dict(zip(METRIC_SUMS, all_reduce_sum([totals.sums[k] for k in METRIC_SUMS], self.ranks)))
+            ratio_max, neg_ratio_min, mismatch_max, peak_gb = all_reduce_max(
+                [totals.ratio_max, totals.neg_ratio_min, totals.mismatch_max, peak_memory_gb(self.ranks.device)],
                 self.ranks)
         if self.ranks.device.type == "cpu":
-            D.trim_freed_memory()   # the step's freed heap memory does not pile up under the next
-        staleness = staleness_counts(all_samples, self.step)
+            trim_freed_memory()   # the step's freed heap memory does not pile up under the next
         self.step += 1
         n_tokens = sums["tokens"]
         n = max(n_tokens, 1.0)
@@ -190,31 +172,27 @@ class Trainer:
             "is_ratio_max": ratio_max if n_tokens else 1.0, "is_ratio_min": -neg_ratio_min if n_tokens else 1.0,
             "kl_k1": sums["kl_k1"] / n, "sampler_mismatch": sums["sampler_mismatch"] / n,
             "sampler_mismatch_max": mismatch_max, "sampler_k1": sums["sampler_k1"] / n,
-            "entropy": sums["entropy"] / n, "staleness_hist": {str(k): v for k, v in sorted(staleness.items())},
-            "staleness_max": max(staleness) if staleness else 0, "ranks": self.ranks.world,
-            "skipped_zero_advantage": len(all_samples) - len(samples),
+            "entropy": sums["entropy"] / n, "ranks": self.ranks.world,
             "positions_whole": sum(lengths), "positions_run": positions_run(forest, lengths),
             "peak_memory_gb": round(peak_gb, 3),
-            **self.moe_metrics(),
-            **({"routes_match_frac": sums["route_matches"] / sums["route_rows"],
-                "routes_recorded": int(sums["route_rows"])} if sums["route_rows"] else {}),
+            **self.router.step_metrics(sums["route_rows"], sums["route_matches"]),
         }
 
     def _forest(self, samples: list[Sample]) -> tuple[list[PrefixNode], list[int]]:
         """The runs of tokens this step feeds once for the samples that share them
-        (`trainer.share_prefix`; atelier.rl.prefix_tree); without sharing, every sample is a leaf."""
-        if not self.cfg.share_prefix or self.ranks.sharded or self.routing is not None:
+        (`trainer.share_prefix`; atelier.train.prefix); without sharing, every sample is a leaf."""
+        if not self.cfg.share_prefix or self.ranks.sharded or self.router.routed:
             return [], list(range(len(samples)))
         return prefix_forest([s.token_ids for s in samples])
 
     def _train_forest(self, samples: list[Sample], nodes: list[PrefixNode], leaves: list[int],
-                      parent: D.SharedPrefix | None, ref_parent: D.SharedPrefix | None, totals: _StepSums) -> None:
+                      parent: SharedPrefix | None, ref_parent: SharedPrefix | None, totals: _StepSums) -> None:
         """Forward and backward of `leaves` (each from the parent's end on) and of every node's run
         and then its continuations, depth first; a node's backward follows its continuations'."""
         begin = parent.length if parent is not None else 0
         tails = [samples[i].suffix(begin) if begin else samples[i] for i in leaves]
         # a step with no sample still runs step_plan's placeholder on every rank (ranks > 1 step together)
-        plan = D.step_plan([len(s.token_ids) for s in tails], self.ranks.world, self.ranks.rank,
+        plan = step_plan([len(s.token_ids) for s in tails], self.ranks.world, self.ranks.rank,
                            self.cfg.micro_batch) if tails or not (nodes or parent) else []
         for indices in plan:
             self._train_micro_batch(tails, indices, parent, ref_parent, totals)
@@ -225,12 +203,12 @@ class Trainer:
             ids_1P = torch.tensor([samples[node.members[0]].token_ids[node.start:node.end + 1]],
                                   device=self.ranks.device)
             labels = self._node_labels(samples, node)
-            run = self.head.encode_prefix(ids_1P[:, :-1], recompute, parent=parent,
+            run = encode_prefix(self.head, ids_1P[:, :-1], recompute, parent=parent,
                                           labels_1P=ids_1P[:, 1:] if labels else None, temperature=self.temperature)
             ref_run = None
             if self.ref is not None:
                 with torch.no_grad():
-                    ref_run = self.ref.encode_prefix(ids_1P[:, :-1], parent=ref_parent,
+                    ref_run = encode_prefix(self.ref, ids_1P[:, :-1], parent=ref_parent,
                                                      labels_1P=ids_1P[:, 1:] if labels else None,
                                                      temperature=self.temperature)
             loss_of = None
@@ -244,7 +222,7 @@ class Trainer:
 
                 def loss_of(logp_1P: torch.Tensor, labels=labels, ref_1P=ref_1P, rows=rows) -> torch.Tensor:
                     loss = totals.add(rows(logp_1P), None, labels, rows(ref_1P), self.cfg, count_metrics=False)
-                    return loss * D.grad_scale(self.ranks)
+                    return loss * grad_scale(self.ranks)
             self._train_forest(samples, node.children, node.leaves, run, ref_run, totals)
             run.backward(loss_of)
 
@@ -260,75 +238,25 @@ class Trainer:
                 "mu": torch.tensor([s.logprobs[window] for s in members], dtype=torch.float32, device=dev),
                 "adv": torch.tensor([s.advantage for s in members], dtype=torch.float32, device=dev)}
 
-    def _train_micro_batch(self, samples: list[Sample], indices: list[int], prefix: D.SharedPrefix | None,
-                           ref_prefix: D.SharedPrefix | None, totals: _StepSums) -> None:
+    def _train_micro_batch(self, samples: list[Sample], indices: list[int], prefix: SharedPrefix | None,
+                           ref_prefix: SharedPrefix | None, totals: _StepSums) -> None:
         batch = self._collate([samples[i] for i in indices])
-        routes = self._routes(samples, indices, batch["ids"].shape[1])
-        with self._replaying(routes):
+        with self.router.micro_batch([samples[i].routes for i in indices], batch["ids"].shape[1]):
             logp_BT, ent_BT = self.head(batch["ids"], batch["attn"], self.temperature, True, prefix)
             ref_BT = None
             if self.ref is not None:
                 with torch.no_grad():
                     ref_BT, _ = self.ref(batch["ids"], batch["attn"], self.temperature, prefix=ref_prefix)
         loss = totals.add(logp_BT, ent_BT, batch, ref_BT, self.cfg)
-        (loss * D.grad_scale(self.ranks)).backward()
-        self._count_experts(batch["attn"])
-        rows, matches = self._route_agreement(routes, batch["attn"])
+        (loss * grad_scale(self.ranks)).backward()
+        rows, matches = self.router.observe(batch["attn"])
         totals.sums["route_rows"] += rows
         totals.sums["route_matches"] += matches
 
-    def _routes(self, samples: list[Sample], indices, T: int) -> torch.Tensor | None:
-        """The sampler's experts for this micro-batch's flattened [B * T, L, k] positions (-1: none);
-        None when the model is dense, or when the samples carry none and replay is off. With
-        replay on, samples without routes raise `MissingRoutes`."""
-        if self.routing is None or not indices:
-            return None
-        if not self.cfg.router_replay and any(samples[i].routes is None for i in indices):
-            return None
-        from atelier.moe.attach import batch_routes
-
-        return batch_routes([samples[i].routes for i in indices], T, self.routing.num_layers, self.routing.top_k)
-
-    def _replaying(self, routes: torch.Tensor | None):
-        """Router replay for this micro-batch when `trainer.router_replay` is on (else nothing)."""
-        if routes is None or not self.cfg.router_replay:
-            return nullcontext()
-        return self.routing.replay(routes)
-
-    def _route_agreement(self, routes_NLk: torch.Tensor | None, attn_BT: torch.Tensor) -> tuple[int, int]:
-        """(token x layer rows the sampler recorded, rows where the last forward used exactly its
-        set of experts). With replay every row matches; without, 1 - matches/rows is the routing
-        flip rate between sampler and trainer."""
-        if routes_NLk is None:
-            return 0, 0
-        used_NLk = self.routing.used().cpu()
-        real_NL = ((routes_NLk >= 0).all(-1) & attn_BT.reshape(-1, 1).bool().cpu())
-        same_NL = (used_NLk.sort(-1).values == routes_NLk.sort(-1).values).all(-1)
-        return int(real_NL.sum()), int((same_NL & real_NL).sum())
-
-    def _count_experts(self, attn_BT: torch.Tensor) -> None:
-        """Tokens per expert (all MoE layers and k slots) over the real tokens of the last forward."""
-        if self.routing is None:
-            return
-        from atelier.moe.metrics import expert_counts
-
-        used_NLk = self.routing.used()
-        counts = expert_counts(used_NLk[attn_BT.reshape(-1).bool().to(used_NLk.device)], self.routing.num_experts)
-        self.expert_tokens = counts if self.expert_tokens is None else self.expert_tokens + counts
-
-    def moe_metrics(self) -> dict[str, Any]:
-        """Router load balance since the last call, this rank's tokens (empty for dense models)."""
-        if self.expert_tokens is None:
-            return {}
-        from atelier.moe.metrics import load_balance
-
-        counts, self.expert_tokens = self.expert_tokens, None
-        return load_balance(counts)
-
     def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """The full weights under Hugging Face names, on rank 0 (collective; empty on other ranks)."""
-        with D.named_failure("gathering the weights"):
-            state = D.full_state_dict(self.head, self.ranks, dtype)
+        with named_failure("gathering the weights"):
+            state = full_state_dict(self.head, self.ranks, dtype)
         return {k.removeprefix("lm."): v for k, v in state.items()}
 
     # --- checkpoints (see atelier.rl.checkpoint for the layout) -----------
@@ -336,8 +264,6 @@ class Trainer:
         """model/ (Hugging Face, written by rank 0), the optimizer: optimizer.pt on one rank, a
         torch.distributed.checkpoint directory `sharded/` (model and optimizer) on N, and each
         rank's RNG states (`atelier.rl.checkpoint.save_rng`). Collective."""
-        from atelier.rl.checkpoint import save_rng
-
         save_rng(out_dir, self.ranks.rank)
         state = self.state_dict()
         if self.ranks.main:
@@ -345,28 +271,18 @@ class Trainer:
             if tokenizer is not None:
                 tokenizer.save_pretrained(out_dir / "model")
         if self.ranks.sharded:
-            with D.named_failure("writing the sharded checkpoint"):
-                D.save_sharded(out_dir / "sharded", self.head, self.optimizer)
+            with named_failure("writing the sharded checkpoint"):
+                save_sharded(out_dir / "sharded", self.head, self.optimizer)
         else:
             torch.save(self.optimizer.state_dict(), out_dir / "optimizer.pt")
 
     def load_optimizer(self, ckpt_dir: Path) -> None:
         if (ckpt_dir / "sharded").is_dir():
-            with D.named_failure("reading the sharded checkpoint"):
-                D.load_sharded(ckpt_dir / "sharded", self.head, self.optimizer)
+            with named_failure("reading the sharded checkpoint"):
+                load_sharded(ckpt_dir / "sharded", self.head, self.optimizer)
             return
         if self.ranks.sharded:
-            raise D.DistributedError(f"{ckpt_dir} was written by one trainer rank; it holds no sharded state",
-                                     hint="resume it with --set trainer.ranks=1")
+            raise DistributedError(f"{ckpt_dir} was written by one trainer rank; it holds no sharded state",
+                                     hint="it began on one rank: continue it with trainer.ranks = 1")
         self.optimizer.load_state_dict(torch.load(ckpt_dir / "optimizer.pt", weights_only=True,
                                                   map_location=self.ranks.device))
-
-
-def staleness_counts(samples: list[Sample], step: int) -> Counter[int]:
-    """How many trained tokens were sampled how many steps before `step` (the policy being updated)."""
-    counts: Counter[int] = Counter()
-    for s in samples:
-        for v, mk in zip(s.versions[1:], s.loss_mask[1:]):
-            if mk:
-                counts[step - v] += 1
-    return counts

@@ -51,6 +51,75 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+class _ProcessIO:
+    """One child's pipes under one selector loop: stdin written as the pipe takes it, stdout and
+    stderr captured (and handed to `on_output`) as they arrive, and a pidfd that wakes the loop
+    the moment the child exits, even while background processes keep the output pipes open."""
+
+    def __init__(self, proc: subprocess.Popen, stdin: bytes | None, output_limit: int,
+                 on_output: OutputCallback | None) -> None:
+        self.captures = {"stdout": _Capture(output_limit), "stderr": _Capture(output_limit)}
+        self.on_output = on_output
+        self.sel = selectors.DefaultSelector()
+        assert proc.stdout is not None and proc.stderr is not None
+        for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
+            os.set_blocking(pipe.fileno(), False)
+            self.sel.register(pipe, selectors.EVENT_READ, name)
+        self.pidfd = os.pidfd_open(proc.pid)
+        self.sel.register(self.pidfd, selectors.EVENT_READ, "exit")
+        self.pending_stdin = memoryview(stdin) if stdin is not None else None
+        if self.pending_stdin is not None:
+            assert proc.stdin is not None
+            os.set_blocking(proc.stdin.fileno(), False)
+            self.sel.register(proc.stdin, selectors.EVENT_WRITE, "stdin")
+
+    def pump(self, timeout_s: float) -> None:
+        for key, _ in self.sel.select(timeout_s):
+            if key.data == "exit":
+                continue
+            if key.data == "stdin":
+                self._feed(key)
+                continue
+            self._drain(key)
+
+    def _feed(self, key: selectors.SelectorKey) -> None:
+        try:
+            written = os.write(key.fd, self.pending_stdin[:65536])  # type: ignore[index]
+            self.pending_stdin = self.pending_stdin[written:]  # type: ignore[index]
+        except (BrokenPipeError, BlockingIOError) as exc:
+            if isinstance(exc, BlockingIOError):
+                return
+            self.pending_stdin = self.pending_stdin[:0]  # type: ignore[index]
+        if not self.pending_stdin:
+            self.sel.unregister(key.fileobj)
+            key.fileobj.close()  # type: ignore[union-attr]
+
+    def _drain(self, key: selectors.SelectorKey) -> None:
+        while True:
+            try:
+                chunk = os.read(key.fd, 65536)
+            except BlockingIOError:
+                return
+            if not chunk:
+                self.sel.unregister(key.fileobj)
+                return
+            self.captures[key.data].add(chunk)
+            if self.on_output is not None:
+                self.on_output(key.data, chunk)
+
+    def drain_output(self) -> None:
+        for key in list(self.sel.get_map().values()):
+            if key.data in ("stdout", "stderr"):
+                self._drain(key)
+
+    def close(self, proc: subprocess.Popen) -> None:
+        self.sel.close()
+        os.close(self.pidfd)
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None and not pipe.closed:
+                pipe.close()
+
+
 def run_process(
     argv: Sequence[str],
     *,
@@ -64,8 +133,6 @@ def run_process(
 ) -> ExecResult:
     """Run `argv`; `on_start` receives the pid (= process group id) once it
     runs, for owners that must kill leftovers later."""
-    # Long on purpose: one selector loop owns the pipes, the pidfd and the deadline; `pump` and `drain`
-    # are closures over that state, and pulling them out would make a class for this one caller.
     start = time.monotonic()
     proc = subprocess.Popen(
         list(argv),
@@ -78,54 +145,7 @@ def run_process(
     )
     if on_start is not None:
         on_start(proc.pid)
-    captures = {"stdout": _Capture(output_limit), "stderr": _Capture(output_limit)}
-    sel = selectors.DefaultSelector()
-    assert proc.stdout is not None and proc.stderr is not None
-    for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
-        os.set_blocking(pipe.fileno(), False)
-        sel.register(pipe, selectors.EVENT_READ, name)
-    # A pidfd wakes the loop the moment the child exits, even while background
-    # processes keep the output pipes open.
-    pidfd = os.pidfd_open(proc.pid)
-    sel.register(pidfd, selectors.EVENT_READ, "exit")
-    pending_stdin = memoryview(stdin) if stdin is not None else None
-    if pending_stdin is not None:
-        assert proc.stdin is not None
-        os.set_blocking(proc.stdin.fileno(), False)
-        sel.register(proc.stdin, selectors.EVENT_WRITE, "stdin")
-
-    def pump(timeout_s: float) -> None:
-        nonlocal pending_stdin
-        for key, _ in sel.select(timeout_s):
-            if key.data == "exit":
-                continue
-            if key.data == "stdin":
-                try:
-                    written = os.write(key.fd, pending_stdin[:65536])  # type: ignore[index]
-                    pending_stdin = pending_stdin[written:]  # type: ignore[index]
-                except (BrokenPipeError, BlockingIOError) as exc:
-                    if isinstance(exc, BlockingIOError):
-                        continue
-                    pending_stdin = pending_stdin[:0]  # type: ignore[index]
-                if not pending_stdin:
-                    sel.unregister(key.fileobj)
-                    key.fileobj.close()  # type: ignore[union-attr]
-                continue
-            drain(key)
-
-    def drain(key: selectors.SelectorKey) -> None:
-        while True:
-            try:
-                chunk = os.read(key.fd, 65536)
-            except BlockingIOError:
-                return
-            if not chunk:
-                sel.unregister(key.fileobj)
-                return
-            captures[key.data].add(chunk)
-            if on_output is not None:
-                on_output(key.data, chunk)
-
+    io = _ProcessIO(proc, stdin, output_limit, on_output)
     deadline = start + timeout
     timed_out = False
     try:
@@ -135,19 +155,14 @@ def run_process(
                 timed_out = True
                 _kill_group(proc)
                 break
-            pump(remaining)
+            io.pump(remaining)
         proc.wait()
         # Take what the command wrote before it exited; background children
         # that still hold the pipes do not keep us waiting.
-        for key in list(sel.get_map().values()):
-            if key.data in ("stdout", "stderr"):
-                drain(key)
+        io.drain_output()
     finally:
-        sel.close()
-        os.close(pidfd)
-        for pipe in (proc.stdin, proc.stdout, proc.stderr):
-            if pipe is not None and not pipe.closed:
-                pipe.close()
+        io.close(proc)
+    captures = io.captures
     return ExecResult(
         exit_code=TIMEOUT_EXIT_CODE if timed_out else _exit_code(proc.returncode),
         stdout=captures["stdout"].text(),

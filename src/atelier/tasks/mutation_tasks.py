@@ -291,6 +291,39 @@ class _Memo:
         return outcome
 
 
+def _clean_tests(repo: Path, work: Path, run: Runner, clean_runs: int, recorded: _Memo,
+                 report: BuildReport) -> set[str]:
+    """The tests that passed in every one of `clean_runs` runs of the clean copy (from the memo
+    when it holds them)."""
+    runs = recorded.get("clean")
+    if runs is None or len(runs) != max(1, clean_runs):
+        runs = [run(work) for _ in range(max(1, clean_runs))]
+        report.test_runs += len(runs)
+        recorded.put("clean", runs)
+    clean = {t for t, s in runs[0].items() if s == "passed" and all(r.get(t) == "passed" for r in runs)}
+    report.clean_passing = len(clean)
+    if not clean:
+        raise MutationBuildError(f"no test passes on the clean copy of {repo}",
+                                 hint="mutation tasks need a repository whose own tests pass")
+    return clean
+
+
+def _keep(group: Sequence[Mutation], outcome: Outcome | str, out: Path, work: Path, name: str,
+          files: dict[str, str], seed: int, accept: Callable[[str], str | None] | None,
+          report: BuildReport) -> None:
+    """A tested group becomes a task (unless `accept` refuses it), or is dropped with its reason."""
+    if isinstance(outcome, str):
+        report.dropped.append(Dropped([m.label for m in group], outcome))
+        return
+    task_id = _write_task(out, work, name, files, group, outcome, seed)
+    refused = accept(str(out / task_id)) if accept is not None else None
+    if refused is None:
+        report.tasks.append(task_id)
+    else:
+        shutil.rmtree(out / task_id, ignore_errors=True)
+        report.dropped.append(Dropped([m.label for m in group], refused))
+
+
 def build_mutation_tasks(
     repo: Path, out: Path, n: int, seed: int = 0, run_tests: Runner | None = None, *,
     max_k: int = 3, clean_runs: int = 2, max_attempts: int | None = None,
@@ -316,9 +349,8 @@ def build_mutation_tasks(
     (its directory is removed) and it does not count towards `n`.
     `on_progress(report)` is called after every tested candidate.
     """
-    # Long on purpose: one loop whose state (pool, pending, want, exhausted, rng) fixes the seeded order
-    # of candidates that a memo replays; split, that state would travel through every piece. The
-    # docstring is a third of its lines.
+    # One loop whose state (pool, pending, want, exhausted, rng) fixes the seeded order of the
+    # candidates that a memo replays; what a step does with a group or a candidate is a function below.
     repo, out = Path(repo).resolve(), Path(out)
     run = run_tests or run_pytest_local
     rng = random.Random(seed)
@@ -328,16 +360,7 @@ def build_mutation_tasks(
         work = Path(tmp) / repo.name
         shutil.copytree(repo, work, ignore=_IGNORE, symlinks=True)
         recorded = _Memo(memo)
-        runs = recorded.get("clean")
-        if runs is None or len(runs) != max(1, clean_runs):
-            runs = [run(work) for _ in range(max(1, clean_runs))]
-            report.test_runs += len(runs)
-            recorded.put("clean", runs)
-        clean = {t for t, s in runs[0].items() if s == "passed" and all(r.get(t) == "passed" for r in runs)}
-        report.clean_passing = len(clean)
-        if not clean:
-            raise MutationBuildError(f"no test passes on the clean copy of {repo}",
-                                     hint="mutation tasks need a repository whose own tests pass")
+        clean = _clean_tests(repo, work, run, clean_runs, recorded, report)
         files = {path: _read(work / path) for path in source_files(work)}
         candidates = _interleave([m for p, t in files.items() for m in enumerate_mutations(t, p)], rng)
         report.candidates = len(candidates)
@@ -353,20 +376,9 @@ def build_mutation_tasks(
             if group is not None:
                 outcomes = dict(pool)
                 pool = [(m, o) for m, o in pool if m not in group]
-                if len(group) == 1:
-                    outcome: Outcome | str = outcomes[group[0]]
-                else:
-                    outcome = recorded.attempt(group, lambda: _try(work, files, group, run, clean, report))
-                if isinstance(outcome, str):
-                    report.dropped.append(Dropped([m.label for m in group], outcome))
-                else:
-                    task_id = _write_task(out, work, repo.name, files, group, outcome, seed)
-                    refused = accept(str(out / task_id)) if accept is not None else None
-                    if refused is None:
-                        report.tasks.append(task_id)
-                    else:
-                        shutil.rmtree(out / task_id, ignore_errors=True)
-                        report.dropped.append(Dropped([m.label for m in group], refused))
+                outcome: Outcome | str = outcomes[group[0]] if len(group) == 1 else recorded.attempt(
+                    group, lambda: _try(work, files, group, run, clean, report))
+                _keep(group, outcome, out, work, repo.name, files, seed, accept, report)
                 want = rng.randint(1, max_k)
                 continue
             candidate = next(pending, None) if attempts < budget else None

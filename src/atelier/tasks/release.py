@@ -57,6 +57,7 @@ from atelier.tasks import pytest_ini
 from atelier.tasks.changelog import changelog_entry
 from atelier.tasks.schema import (PythonEnv, Task, TaskError, TaskLimits, TaskMetadata, TaskSpec,
                                   node_file)
+from atelier.tasks.writer import write_task
 
 RUNS = 3
 PYTHON = "3.11"
@@ -353,6 +354,11 @@ class ReleaseReport:
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
+    def drop(self, reason: str) -> ReleaseReport:
+        """No task: say why."""
+        self.dropped = reason
+        return self
+
 
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-.") or "pkg"
@@ -372,11 +378,6 @@ def build_release_task(old_dir: str | Path, new_dir: str | Path, out: str | Path
     the probe runs, FAIL_TO_PASS and PASS_TO_PASS (a slow or flaky module
     left out); every new test file is still hidden and restored at grading.
     """
-    # Long on purpose: it reads as the recipe in order (versions, changelog entry, gold diff, hidden tests,
-    # probe runs on base and gold, write); each step's logic is a function above, and the rest shares
-    # `report` and `drop`, which pieces would only pass around.
-    from atelier.tasks.writer import write_task
-
     old, new = Path(old_dir).resolve(), Path(new_dir).resolve()
     for label, d in (("old", old), ("new", new)):
         if not d.is_dir():
@@ -394,33 +395,26 @@ def build_release_task(old_dir: str | Path, new_dir: str | Path, out: str | Path
     if (Path(out) / task_id).exists() and not overwrite:
         raise TaskError(f"task {task_id}: {Path(out) / task_id} already exists",
                         hint="choose another --out, remove the old task, or pass --overwrite")
-
-    def drop(reason: str) -> ReleaseReport:
-        report.dropped = reason
-        return report
-
     logs = find_changelog(new)
     entry = next((e for p in logs if (e := changelog_entry(p.read_text(encoding="utf-8", errors="replace"),
                                                            new_version))), None)
     if entry is None:
         looked = ", ".join(p.relative_to(new).as_posix() for p in logs) or "no changelog file found"
-        return drop(f"no changelog entry for {new_version} ({looked})")
-
+        return report.drop(f"no changelog entry for {new_version} ({looked})")
     old_files, new_files = release_files(old), release_files(new)
     source_paths = sorted({p for p in [*old_files, *new_files] if not is_test_path(p)})
     gold = release_diff(old, new, source_paths)
     if not gold.strip():
-        return drop(f"no non-test file changed between {old_version} and {new_version}")
+        return report.drop(f"no non-test file changed between {old_version} and {new_version}")
     hidden = {p: (new / p).read_bytes() for p in new_files if is_test_path(p)}
     modules = sorted(p for p in hidden if is_test_module(p)
                      and (not select or any(fnmatch.fnmatchcase(p, g) for g in select)))
     if not modules:
-        return drop(f"the {new_version} release ships no test modules"
-                    + (f" matching {', '.join(select)}" if select else ""))
+        return report.drop(f"the {new_version} release ships no test modules"
+                           + (f" matching {', '.join(select)}" if select else ""))
     changed = sorted({line.split(" b/", 1)[-1] for line in gold.splitlines()
                       if line.startswith("diff --git ")})
     report.files_changed = len(changed)
-
     if requirements is None:
         requirements = pin_requirements(runtime_requirements(meta.get("requires-dist", []),
                                                              exclude=package))
@@ -432,8 +426,27 @@ def build_release_task(old_dir: str | Path, new_dir: str | Path, out: str | Path
         metadata=TaskMetadata(source="release-diff", category="release",
                               files_changed=len(changed), lines_changed=_changed_lines(gold)),
         limits=TaskLimits(timeout_s=timeout_s))
+    release = _Release(old, spec, gold, hidden, modules)
+    return _probe_and_write(release, report, Path(out), runner or sandbox_runner(), runs, progress, overwrite)
 
-    run = runner or sandbox_runner()
+
+@dataclasses.dataclass
+class _Release:
+    """What a release task is built from: the old release, the spec so far, the gold diff, the
+    new release's test files (hidden) and the test modules its probe runs."""
+
+    old: Path
+    spec: TaskSpec
+    gold: str
+    hidden: dict[str, bytes]
+    modules: list[str]
+
+
+def _probe_and_write(release: _Release, report: ReleaseReport, out: Path, run: Runner, runs: int,
+                     progress: Callable[[str], None], overwrite: bool) -> ReleaseReport:
+    """The new release's tests `runs` times on the old code and on the gold patch: the tests
+    that fail before and pass after are FAIL_TO_PASS; with any, the task is written."""
+    old, spec, gold, hidden, modules = release.old, release.spec, release.gold, release.hidden, release.modules
     with tempfile.TemporaryDirectory(prefix="atelier-release-") as tmp:
         base = Path(tmp) / "repo"
         shutil.copytree(old, base, symlinks=True,
@@ -445,25 +458,25 @@ def build_release_task(old_dir: str | Path, new_dir: str | Path, out: str | Path
             (tests / rel).parent.mkdir(parents=True, exist_ok=True)
             (tests / rel).write_bytes(data)
         probe = Task(**spec.model_dump(exclude={"test_command"}),
-                     test_command=test_command + " --continue-on-collection-errors",
+                     test_command=spec.test_command + " --continue-on-collection-errors",
                      root=Path(tmp), snapshot=base, gold_patch=gold)
         probe = probe.model_copy(update={"fail_to_pass": modules})
         sides: dict[str, list[Statuses]] = {"base": [], "gold": []}
         for side, patch in (("base", ""), ("gold", gold)):
             for i in range(runs):
-                progress(f"{task_id}: running the {new_version} tests on {side} ({i + 1}/{runs})")
+                progress(f"{spec.id}: running the {report.new_version} tests on {side} ({i + 1}/{runs})")
                 try:
                     sides[side].append(run(probe, patch))
                 except TestRunFailed as exc:
-                    return drop(f"{side} run {i + 1}: {exc}")
+                    return report.drop(f"{side} run {i + 1}: {exc}")
                 report.test_runs += 1
         f2p, p2p, flaky = split_tests(sides["base"], sides["gold"], modules)
         report.fail_to_pass, report.pass_to_pass, report.flaky = len(f2p), len(p2p), flaky
         if not f2p:
-            return drop(f"no test fails at {old_version} and passes at {new_version} "
-                        f"({len(p2p)} pass on both, {len(flaky)} flaky)")
+            return report.drop(f"no test fails at {report.old_version} and passes at {report.new_version} "
+                               f"({len(p2p)} pass on both, {len(flaky)} flaky)")
         spec = spec.model_copy(update={"fail_to_pass": f2p, "pass_to_pass": p2p})
-        task = write_task(Path(out) / task_id, spec, base, hidden, gold, overwrite=overwrite)
+        task = write_task(out / spec.id, spec, base, hidden, gold, overwrite=overwrite)
     report.task_dir = str(task.root)
     return report
 

@@ -229,27 +229,68 @@ def trusted_roots(pytest) -> tuple[str, ...]:
     return tuple(r.rstrip("/") + "/" for r in roots)
 
 
+def _untrusted_hooks(hook, plugin, last_impls: dict[str, list], seen_impls: set[int], cwd_prefix: str,
+                     trusted: tuple[str, ...]) -> list[tuple[str, str, str]]:
+    """(hook, file, function) of each outcome-hook implementation not seen before that lives
+    outside the `trusted` roots or inside the working directory (`plugin`'s own excepted)."""
+    found = []
+    for name in OUTCOME_HOOKS:
+        caller = getattr(hook, name, None)
+        if caller is None:
+            continue
+        impls = caller.get_hookimpls()
+        if impls == last_impls.get(name):  # identity per element, in C
+            continue
+        last_impls[name] = impls
+        for impl in impls:
+            if id(impl.function) in seen_impls:
+                continue
+            seen_impls.add(id(impl.function))
+            code = getattr(impl.function, "__code__", None)
+            file = getattr(code, "co_filename", "") or ""
+            if impl.plugin is plugin:
+                continue
+            if file.startswith(cwd_prefix) or not file.startswith(trusted) or not os.path.isfile(file):
+                found.append((name, file, getattr(impl.function, "__qualname__", "?")))
+    return found
+
+
+def _collect_canary(pytest, collector, name: str, obj):
+    """The canary test function `name`, collected whatever `python_functions` says (pytest 6+)."""
+    return pytest.Function.from_parent(collector, name=name, callobj=obj) if hasattr(
+        pytest.Function, "from_parent") else None
+
+
+def _report_fields(report, call, skip_types: tuple[type, ...]) -> dict | None:
+    """What a test phase's report says (outcome, the exception raised, where a skip came from,
+    xfail); None for a passing setup or teardown, which says nothing new."""
+    excinfo = call.excinfo
+    raised = None
+    if excinfo is not None and not isinstance(excinfo.value, skip_types):
+        raised = type(excinfo.value).__name__
+    if report.when != "call" and report.passed and raised is None:
+        return None
+    extra = {"raised": raised, "at": _skip_location(report), "xfail": hasattr(report, "wasxfail")}
+    return {"id": report.nodeid, "when": report.when, "outcome": report.outcome,
+            **{k: v for k, v in extra.items() if v}}
+
+
 def make_plugin(pytest, emit, guard: Guard, cwd: str, canary_file: str | None,
                 canary_functions: list[str]):
-    """The plugin object (its name is random: `-p no:NAME` cannot block it).
-    It reports hook implementations from files outside `trusted_roots` or
-    inside `cwd`."""
-    # Long on purpose: the plugin is a class built here because its hook
-    # markers need the pytest just imported and its methods close over the
-    # emitter and guard, which must not be reachable as module globals.
+    """The plugin object (its name is random: `-p no:NAME` cannot block it). It reports hook
+    implementations from files outside `trusted_roots` or inside `cwd`."""
+    # A class built here: its hook markers need the pytest just imported, and its methods close
+    # over the emitter and guard, which must not be reachable as module globals.
     import unittest
 
-    trusted_roots_ = trusted_roots(pytest)
-
+    trusted_roots_, cwd_prefix = trusted_roots(pytest), cwd.rstrip("/") + "/"
     skip_types = (pytest.skip.Exception, unittest.SkipTest)
-    cwd_prefix = cwd.rstrip("/") + "/"
 
     class Reporter:
         __name__ = f"atelier_{os.urandom(6).hex()}"
 
         def __init__(self) -> None:
-            self.config = None
-            self.started = False
+            self.config, self.started = None, False
             self.seen_impls: set[int] = set()
             self.last_impls: dict[str, list] = {}
 
@@ -259,28 +300,9 @@ def make_plugin(pytest, emit, guard: Guard, cwd: str, canary_file: str | None,
                 emit("integrity", at=where, changed=changed)
             if self.config is None:
                 return
-            hook = self.config.pluginmanager.hook
-            for name in OUTCOME_HOOKS:
-                caller = getattr(hook, name, None)
-                if caller is None:
-                    continue
-                impls = caller.get_hookimpls()
-                if impls == self.last_impls.get(name):  # identity per element, in C
-                    continue
-                self.last_impls[name] = impls
-                for impl in impls:
-                    if id(impl.function) in self.seen_impls:
-                        continue
-                    self.seen_impls.add(id(impl.function))
-                    code = getattr(impl.function, "__code__", None)
-                    file = getattr(code, "co_filename", "") or ""
-                    if impl.plugin is self:
-                        continue
-                    trusted = (not file.startswith(cwd_prefix) and file.startswith(trusted_roots_)
-                               and os.path.isfile(file))
-                    if not trusted:
-                        emit("hook", at=where, hook=name, file=file,
-                             function=getattr(impl.function, "__qualname__", "?"))
+            for name, file, function in _untrusted_hooks(self.config.pluginmanager.hook, self, self.last_impls,
+                                                         self.seen_impls, cwd_prefix, trusted_roots_):
+                emit("hook", at=where, hook=name, file=file, function=function)
 
         @pytest.hookimpl(tryfirst=True)
         def pytest_sessionstart(self, session) -> None:
@@ -290,9 +312,8 @@ def make_plugin(pytest, emit, guard: Guard, cwd: str, canary_file: str | None,
         @pytest.hookimpl(tryfirst=True)
         def pytest_pycollect_makeitem(self, collector, name, obj):
             # The canaries are collected whatever `python_functions` says.
-            if (canary_file and name in canary_functions and hasattr(pytest.Function, "from_parent")
-                    and _path_of(collector) == canary_file):
-                return pytest.Function.from_parent(collector, name=name, callobj=obj)
+            if canary_file and name in canary_functions and _path_of(collector) == canary_file:
+                return _collect_canary(pytest, collector, name, obj)
             return None
 
         def pytest_collectreport(self, report) -> None:
@@ -309,8 +330,7 @@ def make_plugin(pytest, emit, guard: Guard, cwd: str, canary_file: str | None,
 
         @pytest.hookimpl(hookwrapper=True, tryfirst=True)
         def pytest_runtest_protocol(self, item, nextitem):
-            # Nothing runs between two tests' protocols: the check after one
-            # is the check before the next.
+            # Nothing runs between two tests' protocols: the check after one is the check before the next.
             if not self.started:
                 self.started = True
                 self.check(f"before {item.nodeid}")
@@ -323,18 +343,11 @@ def make_plugin(pytest, emit, guard: Guard, cwd: str, canary_file: str | None,
             try:
                 report = outcome.get_result()
             except BaseException as exc:  # the hook itself failed: say so
-                emit("report", id=item.nodeid, when=call.when, outcome="error",
-                     raised=type(exc).__name__)
+                emit("report", id=item.nodeid, when=call.when, outcome="error", raised=type(exc).__name__)
                 return
-            excinfo = call.excinfo
-            raised = None
-            if excinfo is not None and not isinstance(excinfo.value, skip_types):
-                raised = type(excinfo.value).__name__
-            if report.when != "call" and report.passed and raised is None:
-                return  # a passing setup or teardown says nothing new
-            extra = {"raised": raised, "at": _skip_location(report), "xfail": hasattr(report, "wasxfail")}
-            emit("report", id=report.nodeid, when=report.when, outcome=report.outcome,
-                 **{k: v for k, v in extra.items() if v})
+            fields = _report_fields(report, call, skip_types)
+            if fields is not None:
+                emit("report", **fields)
 
         @pytest.hookimpl(trylast=True)
         def pytest_sessionfinish(self, session, exitstatus) -> None:

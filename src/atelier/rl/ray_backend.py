@@ -1,6 +1,7 @@
-"""The Ray launcher: inference and environments as Ray actors.
+"""The Ray backend of an RL run: inference and environments as Ray actors.
 
-Ray is imported by two modules only: this one (placement of the RL run) and
+Ray is imported by three modules only: this one (the rollouts and inference of
+the RL run), `atelier.train.launch_ray` (trainer ranks as Ray actors) and
 `atelier.sandbox.ray_pool` (sandboxes on Ray worker nodes).
 
 - `InferenceActor` holds the engine `config.inference` selects: a

@@ -1,16 +1,10 @@
-"""Located gold replays (`atelier.pipeline.replays`) and the stage ledger's
-time over resumed starts (`atelier.pipeline.stages._Ledger`): pure logic, no
-sandbox or model."""
+"""Located gold replays (`atelier.harness.replay.located_script`): pure logic, no sandbox or model."""
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
 from atelier.harness.parsing import parse_tool_calls
-from atelier.pipeline.replays import changed_lines, definition_line, located_script, prompt_target, replay_script
-from atelier.pipeline.stages import _Ledger, last_activity
+from atelier.harness.replay import (changed_lines, definition_line, located_script, parse_patch, prompt_target,
+                                    replay_script, trim_edit)
 
 SOURCE = "".join(f"# line {i}\n" for i in range(1, 6)) + """\
 class Box:
@@ -58,8 +52,6 @@ def test_prompt_target_and_definition() -> None:
 
 
 def test_changed_lines_leave_context_out() -> None:
-    from atelier.harness.replay import parse_patch
-
     assert changed_lines(parse_patch(PATCH)[0].hunks) == (13, 13)
 
 
@@ -86,30 +78,7 @@ def test_tasks_a_located_replay_cannot_serve_keep_the_harness_replay() -> None:
     assert _calls(replay_script(PROMPT, PATCH, lambda path: SOURCE, kind="gold")[0])[0][0] == "read_file"
 
 
-def test_a_resumed_stage_counts_the_time_of_every_start(tmp_path: Path) -> None:
-    ledger = _Ledger(tmp_path)
-    ledger.begin("sft", 1000.0, None)
-    peaks = {"peak_pss_mb": 500, "peak_rss_mb": 600}
-    assert ledger.end("sft", 1100.0, peaks) == (100.0, 100.0, peaks)   # failed after 100 s
-    ledger.begin("sft", 2000.0, None)                                # then killed: never ends
-    (tmp_path / "sft").mkdir()
-    (tmp_path / "sft" / "step.txt").write_text("x")
-    os.utime(tmp_path / "sft" / "step.txt", (2300.0, 2300.0))
-    os.utime(tmp_path / "sft", (2250.0, 2250.0))
-    assert last_activity(tmp_path, "sft") == 2300.0
-    reopened = _Ledger(tmp_path)                                    # a new process resumes
-    reopened.begin("sft", 5000.0, last_activity(tmp_path, "sft"))   # the killed start ran until 2300
-    # each measure's peak is the highest of any start
-    assert reopened.end("sft", 5050.0, {"peak_pss_mb": 300, "peak_rss_mb": 900}) == (
-        450.0, 50.0, {"peak_pss_mb": 500, "peak_rss_mb": 900})
-    saved = json.loads((tmp_path / "stages-time.json").read_text())["sft"]
-    assert saved["starts"] == 3 and "started" not in saved
-    assert (saved["peak_pss_mb"], saved["peak_rss_mb"]) == (500, 900)
-
-
 def test_trim_edit_keeps_the_same_change_and_uniqueness() -> None:
-    from atelier.pipeline.replays import trim_edit
-
     old, new = "        if x < hi:\n", "        if x > hi:\n"
     assert trim_edit(SOURCE, old, new) == ("if x < hi:", "if x > hi:")
     # Not unique once trimmed ("return x" is also the function's last line): kept as given.

@@ -22,7 +22,7 @@ Ordering and guarantees:
   others never start.
 - The step's samples travel with the command (pickled on the CPU group);
   every rank sees the same list and takes its token-balanced share
-  (`atelier.distributed.step_plan`).
+  (`atelier.train.batching.step_plan`).
 - Only rank 0 touches the run directory's ledger, metrics and renames: a
   checkpoint directory is created by rank 0, filled by every rank (its
   `sharded/` part) and committed by rank 0's rename after the collective
@@ -31,8 +31,9 @@ Ordering and guarantees:
   command group has a long timeout (`COMMAND_TIMEOUT_S`); the training
   collectives keep `trainer.timeout_s`. A rank killed outright closes its
   sockets, and the others fail at once rather than at a timeout; the
-  launcher (`atelier.launch`) then stops every rank with a message naming
-  the dead one. `--resume` restarts all ranks from the last commit.
+  launcher (`atelier.train.launch`) then stops every rank with a message
+  naming the dead one. Running the same command again restarts all ranks
+  from the last commit.
 
 Example, N = 2, checkpoint_every = 1: rank 0 waits for a batch (rank 1
 waits on the command group), sends ("train", 16 samples) and both train 8;
@@ -44,11 +45,13 @@ rank 0 sends ("weights",): both join the gather, rank 0 publishes it.
 from __future__ import annotations
 
 import datetime
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from atelier import distributed as D
+import torch.distributed as dist
+
+from atelier.train.collectives import named_failure
+from atelier.train.ranks import DistributedError, Ranks
 
 COMMAND_TIMEOUT_S = 7 * 24 * 3600.0
 
@@ -56,9 +59,7 @@ COMMAND_TIMEOUT_S = 7 * 24 * 3600.0
 class Commands:
     """Rank 0's ordered messages to the other ranks, on their own gloo group."""
 
-    def __init__(self, ranks: D.Ranks) -> None:
-        import torch.distributed as dist
-
+    def __init__(self, ranks: Ranks) -> None:
         self.ranks = ranks
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=COMMAND_TIMEOUT_S))
 
@@ -69,10 +70,8 @@ class Commands:
         return self._broadcast(None)
 
     def _broadcast(self, message: list[Any] | None) -> list[Any]:
-        import torch.distributed as dist
-
         box = [message]
-        with D.named_failure("waiting for rank 0's next command"):
+        with named_failure("waiting for rank 0's next command"):
             dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
@@ -102,19 +101,6 @@ class LeadTrainer:
         self.commands.send("stop")
 
 
-@contextmanager
-def join_ranks(config) -> Iterator[tuple[D.Ranks, Commands | None]]:
-    """This process's rank (and, with N ranks, the command group); leaves the group when the run ends."""
-    world, wanted = D.env_world(), config.trainer.ranks
-    if world != wanted and (world > 1 or wanted > 1):
-        raise D.DistributedError(
-            f"trainer.ranks = {wanted} but this process is one of {world} rank(s)",
-            hint="let `atelier train` start the ranks (it reads trainer.ranks), or give torchrun "
-                 "--nproc-per-node equal to trainer.ranks")
-    with D.joined_ranks(config.trainer.device, config.trainer.timeout_s) as ranks:
-        yield ranks, (Commands(ranks) if ranks.sharded else None)
-
-
 def lead(make_trainer, model_path: Path, ckpt: Path | None, commands: Commands) -> LeadTrainer:
     commands.send("open", str(model_path), str(ckpt) if ckpt else None)
     return LeadTrainer(make_trainer(model_path, ckpt), commands)
@@ -124,7 +110,7 @@ def follow(make_trainer, commands: Commands) -> int:
     """Ranks 1..N-1: obey rank 0's commands until "stop"; returns the steps trained."""
     kind, model_path, ckpt = commands.receive()
     if kind != "open":
-        raise D.DistributedError(f"rank {commands.ranks.rank} expected 'open' from rank 0, got {kind!r}")
+        raise DistributedError(f"rank {commands.ranks.rank} expected 'open' from rank 0, got {kind!r}")
     trainer = make_trainer(Path(model_path), Path(ckpt) if ckpt else None)
     while True:
         kind, *args = commands.receive()
@@ -137,4 +123,4 @@ def follow(make_trainer, commands: Commands) -> int:
         elif kind == "stop":
             return trainer.step
         else:
-            raise D.DistributedError(f"unknown command {kind!r} from rank 0")
+            raise DistributedError(f"unknown command {kind!r} from rank 0")
