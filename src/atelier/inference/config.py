@@ -8,12 +8,23 @@ commands that sample (`[inference]` in train and run recipes) and by
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from typing import Literal, Optional, Sequence
 
 from pydantic import Field
 
 from atelier.config import AtelierConfig, load_config
 from atelier.inference.vllm_server import VLLMConfig
+
+
+class BuiltinEngineConfig(AtelierConfig):
+    """The built-in engine's own settings (`atelier.inference.engine.LocalEngine`)."""
+
+    threads: Optional[int] = Field(None, ge=1)
+    """CPU threads of each engine step. None: adapt, per step, between one and torch's thread count
+    to what else wants the cores (`atelier.inference.threads`)."""
+    compile: Optional[bool] = None
+    """Build the decode step's kernels with `torch.compile` (None: where a C++ compiler or a GPU
+    is found). False runs the same arithmetic eagerly, slower."""
 
 
 class InferenceConfig(AtelierConfig):
@@ -22,6 +33,7 @@ class InferenceConfig(AtelierConfig):
     engine: Literal["builtin", "vllm"] = "builtin"
     """builtin: atelier's own engine (no extra dependencies; the laptop default). vllm: a vLLM
     server (what GPU users run), from the environment `make vllm-env` builds (see [inference.vllm])."""
+    builtin: BuiltinEngineConfig = Field(default_factory=BuiltinEngineConfig)
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
 

@@ -76,6 +76,11 @@ Precision: `dtype=None` (or "auto") is bf16 on a GPU that supports it and on a
 CPU with AMX or AVX512-BF16 units, else fp32. The forward pass runs in that
 dtype; logits leave the LM head in it and are cast to fp32 for sampling.
 Logprob semantics are those of `atelier.inference.sampling`.
+
+Speed: the forward is `atelier.inference.forward` (a decode step is one pass
+over the batch per layer, compiled, on weights packed for the CPU's matrix
+library), and the scheduler thread loads the model and runs every step, on a
+thread count chosen per step (`atelier.inference.threads`).
 """
 
 from __future__ import annotations

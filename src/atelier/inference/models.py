@@ -158,7 +158,8 @@ def open_model(spec: str | Path, *, inference: "InferenceConfig | None" = None, 
       `OpenAIChatModel` (any OpenAI-compatible server; kwargs `api_key`, `model`).
     - `inference.engine == "vllm"`: `VLLMEngine(resolve_model(spec), inference.vllm, ...)`;
       of `kwargs` it takes `name`, `version` and `work_dir` (the rest are the built-in engine's).
-    - anything else: `LocalEngine(resolve_model(spec), **kwargs)`.
+    - anything else: `LocalEngine(resolve_model(spec), **kwargs)`, with `inference.builtin`'s
+      settings where `kwargs` leave them out.
     """
     if is_url(spec):
         from atelier.inference.client import connect
@@ -174,4 +175,7 @@ def open_model(spec: str | Path, *, inference: "InferenceConfig | None" = None, 
     from atelier.inference.engine import LocalEngine
 
     kwargs.pop("work_dir", None)
+    if inference is not None:
+        kwargs.setdefault("threads", inference.builtin.threads)
+        kwargs.setdefault("compile", inference.builtin.compile)
     return LocalEngine(path, **kwargs)

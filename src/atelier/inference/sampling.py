@@ -14,7 +14,11 @@ the logits by it would overflow them.
 
 Randomness: every request owns a `torch.Generator` seeded from its `seed`
 (or from the OS when `seed` is None), so the same seed and prompt give the
-same tokens regardless of what else shares the batch.
+same tokens regardless of what else shares the batch. A token is drawn by
+inverting the distribution's cumulative sum at one uniform number from the
+request's generator: exactly the categorical distribution, and the cumulative
+sums of every sampled row of a batch are one operation (a draw per row with
+`torch.multinomial` cost more than a decode step's attention at batch 32).
 """
 
 from __future__ import annotations
@@ -51,11 +55,28 @@ def sample_rows(logits_BV: torch.Tensor, params: list[tuple[float, float, torch.
     scaled_BV = logits_BV if all(t == 1.0 for t in temps) else logits_BV / torch.tensor(temps)[:, None]
     lse_B = torch.logsumexp(scaled_BV, dim=-1)
     tokens = logits_BV.argmax(dim=-1).tolist()
+    drawn = [b for b, (t, top_p, _) in enumerate(params) if t >= MIN_TEMPERATURE and top_p >= 1.0]
+    if drawn:
+        rows = torch.tensor(drawn)
+        picked = _draw_rows(scaled_BV[rows] - lse_B[rows, None], [params[b][2] for b in drawn])
+        for b, token in zip(drawn, picked):
+            tokens[b] = token
     for b, (temperature, top_p, generator) in enumerate(params):
-        if temperature >= MIN_TEMPERATURE:
+        if temperature >= MIN_TEMPERATURE and top_p < 1.0:
             tokens[b] = _draw(scaled_BV[b] - lse_B[b], top_p, generator)
     logps = (scaled_BV.gather(1, torch.tensor(tokens)[:, None])[:, 0] - lse_B).tolist()
     return list(zip(tokens, logps))
+
+
+def _draw_rows(logp_RV: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
+    """One token from each row's distribution `exp(logp_RV[r])`, at a uniform number from
+    `generators[r]`: the first token whose cumulative probability passes it (never a token of
+    probability zero). The sums are float64, so rounding moves no token's probability by more
+    than ~1e-16."""
+    cdf_RV = logp_RV.exp().cumsum(dim=-1, dtype=torch.float64)
+    u_R1 = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])[:, None]
+    picked = torch.searchsorted(cdf_RV, u_R1 * cdf_RV[:, -1:], right=True)[:, 0]
+    return picked.clamp_(max=logp_RV.shape[1] - 1).tolist()
 
 
 def _draw(logp_V: torch.Tensor, top_p: float, generator: torch.Generator) -> int:
