@@ -322,3 +322,26 @@ def test_batch_invariant_requests_are_bitwise_their_solo_selves(spiky_model_dir,
             t.join(timeout=120)
         assert [(r.token_ids, r.logprobs) for r in results] == [(g.token_ids, g.logprobs) for g in solo]
         assert engine.stats["max_batch_seen"] > 1 and engine.stats["prefix_hit_tokens"] == 0
+
+
+def test_scored_prompts_have_the_reference_logprobs_at_every_position(engine, hf_model):
+    """`prompt_logprobs`: each prompt token's logprob given the ones before it (None first) and the
+    most likely tokens there, equal to the model's own forward; with max_tokens 0 nothing is
+    generated; a prompt whose prefix is cached is still scored whole."""
+    prompt = engine.tokenizer.encode(TEXTS[1] + " " + TEXTS[3])
+    with torch.no_grad():
+        want = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), -1)
+    engine.generate(prompt, greedy(2))             # now its blocks are in the prefix cache
+    scored = engine.generate(prompt, SamplingParams(max_tokens=0, temperature=0.0, prompt_logprobs=3))
+    assert scored.token_ids == [] and scored.finish_reason == "length"
+    assert scored.prompt_logprobs[0] is None and scored.prompt_top_logprobs[0] is None
+    got = torch.tensor(scored.prompt_logprobs[1:])
+    torch.testing.assert_close(got, want[torch.arange(len(prompt) - 1), prompt[1:]], atol=1e-5, rtol=1e-5)
+    for position, top in enumerate(scored.prompt_top_logprobs[1:]):
+        assert [t for t, _ in top] == want[position].topk(3).indices.tolist()
+    both = engine.generate(prompt, SamplingParams(max_tokens=4, temperature=0.0, top_logprobs=2,
+                                                  prompt_logprobs=0, stop_token_ids=NO_STOP))
+    assert both.prompt_top_logprobs is None and both.prompt_logprobs == scored.prompt_logprobs
+    assert len(both.top_logprobs) == 4 and all(top[0][0] == t for top, t in zip(both.top_logprobs, both.token_ids))
+    with pytest.raises(EngineError, match="max_tokens"):
+        engine.generate(prompt, SamplingParams(max_tokens=0))

@@ -26,7 +26,7 @@ def test_drawn_tokens_follow_the_tempered_distribution():
     rows = 40_000
     draws = sample_rows(logits.expand(rows, -1), [(temperature, 1.0, make_generator(i)) for i in range(rows)])
     counts = [0] * len(probs)
-    for token, logprob in draws:
+    for token, logprob, _ in draws:
         counts[token] += 1
         assert math.isclose(logprob, math.log(probs[token]), rel_tol=1e-5, abs_tol=1e-5)
     assert counts[7] == 0                        # probability ~1e-19: never drawn
@@ -46,4 +46,13 @@ def test_a_seed_gives_the_same_tokens_whatever_shares_the_batch():
     logits = torch.randn(6, 50, generator=gen)
     alone = [sample_rows(logits[b:b + 1], [(0.9, 1.0, make_generator(100 + b))])[0] for b in range(6)]
     together = sample_rows(logits, [(0.9, 1.0, make_generator(100 + b)) for b in range(6)])
-    assert [t for t, _ in together] == [t for t, _ in alone]
+    assert [s.token for s in together] == [s.token for s in alone]
+
+
+def test_top_logprobs_are_the_most_likely_tokens_of_the_same_distribution():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [1.0, 1.0, 1.0, 1.0]])
+    out = sample_rows(logits, [(0.0, 1.0, make_generator(0)), (0.5, 1.0, make_generator(1))], top=[2, 0])
+    want = torch.log_softmax(logits[0], -1)
+    assert [t for t, _ in out[0].top] == [1, 3]
+    assert all(math.isclose(lp, float(want[t]), rel_tol=1e-6) for t, lp in out[0].top)
+    assert out[1].top is None

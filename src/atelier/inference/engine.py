@@ -139,6 +139,9 @@ class _Request:
     admitted: int = -1           # admission order, for choosing whom to preempt
     cancelled: bool = False
     routes: Any = None           # MoE: packed experts of prompt + token_ids, taken when it finishes
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None           # scored at its first prefill
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     finish_reason: str | None = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -173,7 +176,8 @@ class RequestHandle:
         return Generation(token_ids=r.token_ids, logprobs=r.logprobs, versions=r.versions,
                           finish_reason=r.finish_reason,  # type: ignore[arg-type]
                           text=self._engine.tokenizer.decode(r.token_ids, skip_special_tokens=True),
-                          routes=r.routes)
+                          routes=r.routes, top_logprobs=r.top_logprobs if r.params.top_logprobs else None,
+                          prompt_logprobs=r.prompt_logprobs, prompt_top_logprobs=r.prompt_top_logprobs)
 
 
 @dataclass
@@ -356,7 +360,9 @@ class LocalEngine:
         it finishes, fails or is cancelled (the server uses it to wake its event loop)."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
-        self.check_request(len(prompt), params.max_tokens)
+        self.check_request(len(prompt), params.max_tokens, scoring=params.prompt_logprobs is not None)
+        if params.top_logprobs < 0 or (params.prompt_logprobs or 0) < 0:
+            raise EngineError("top_logprobs and prompt_logprobs must be >= 0")
         vocab = self.model.config.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise EngineError(f"prompt has token ids outside the vocabulary [0, {vocab})",
@@ -373,19 +379,22 @@ class LocalEngine:
             self._cond.notify_all()
         return RequestHandle(self, request)
 
-    def check_request(self, prompt_tokens: int, max_tokens: int, *, strict: bool = False) -> None:
+    def check_request(self, prompt_tokens: int, max_tokens: int, *, strict: bool = False,
+                      scoring: bool = False) -> None:
         """Raise `EngineError` for a prompt length or `max_tokens` this engine can never serve.
 
         `strict` (the HTTP API) also refuses a `max_tokens` larger than the whole context; without
-        it such a request runs and ends with "length" at the context limit.
+        it such a request runs and ends with "length" at the context limit. `scoring` (the prompt's
+        logprobs are asked for) allows `max_tokens` 0.
         """
         if prompt_tokens < 1:
             raise EngineError("empty prompt", hint="pass at least one token id")
         if prompt_tokens >= self.max_seq_len:
             raise EngineError(f"prompt of {prompt_tokens} tokens does not fit the context of "
                               f"{self.max_seq_len}", hint="shorten the prompt")
-        if max_tokens < 1:
-            raise EngineError(f"max_tokens must be at least 1, got {max_tokens}")
+        if max_tokens < (0 if scoring else 1):
+            raise EngineError(f"max_tokens must be at least {0 if scoring else 1}, got {max_tokens}",
+                              hint="0 is allowed when the prompt's logprobs are asked for")
         if strict and max_tokens > self.max_seq_len:
             raise EngineError(f"max_tokens {max_tokens} exceeds the context of {self.max_seq_len} tokens",
                               hint="ask for fewer tokens; generation also stops at the context limit")
@@ -539,7 +548,7 @@ class LocalEngine:
                 continue
             context = request.context
             keys = self.pool.keys_for(context)
-            n = self.pool.cached_prefix(keys)
+            n = 0 if self._scores(request) else self.pool.cached_prefix(keys)
             if n < len(keys) and keys[n] in claimed:
                 rest.append(request)
                 continue
@@ -566,10 +575,15 @@ class LocalEngine:
     def _prefill(self, admitted: list[_Request]) -> None:
         contexts = [r.context for r in admitted]
         seqs = [(c, r.length, r.blocks) for c, r in zip(contexts, admitted)]
+        scored = [i for i, r in enumerate(admitted) if self._scores(r)]
         if self.batch_invariant:
-            logits_BV = torch.cat([self._forward.prefill([seq]) for seq in seqs])
+            runs = [self._forward.prefill_keeping([seq], [0] if i in scored else []) for i, seq in enumerate(seqs)]
+            logits_BV = torch.cat([logits for logits, _ in runs])
+            hidden = [h for _, kept in runs for h in kept]
         else:
-            logits_BV = self._forward.prefill(seqs)
+            logits_BV, hidden = self._forward.prefill_keeping(seqs, scored)
+        for i, hidden_NM in zip(scored, hidden):
+            self._score_prompt(admitted[i], hidden_NM)
         self.stats["prefills"] += 1
         self.stats["prefix_hit_tokens"] += sum(r.length for r in admitted)
         self.stats["prefill_tokens"] += sum(len(c) - r.length for c, r in zip(contexts, admitted))
@@ -577,8 +591,26 @@ class LocalEngine:
             request.length = len(context)
             request.epoch = self._epoch
             self.pool.register(context, request.blocks, request.length)
-        self._active.extend(admitted)
-        self._take(admitted, logits_BV)
+        sampling = [b for b, r in enumerate(admitted) if r.params.max_tokens > 0]
+        for request in admitted:
+            if request.params.max_tokens == 0:   # scored, nothing to generate
+                self._end(request, "length")
+        self._active.extend(admitted[b] for b in sampling)
+        if sampling:
+            self._take([admitted[b] for b in sampling], logits_BV[sampling] if len(sampling) < len(admitted)
+                       else logits_BV)
+
+    @staticmethod
+    def _scores(request: _Request) -> bool:
+        """Whether the request's next prefill scores its prompt (asked for, and not yet done)."""
+        return request.params.prompt_logprobs is not None and request.prompt_logprobs is None
+
+    def _score_prompt(self, request: _Request, hidden_NM: torch.Tensor) -> None:
+        """Each prompt token's logprob given those before it, from the prefill's hidden states."""
+        prompt, top = request.prompt, request.params.prompt_logprobs
+        logprobs, best = self._forward.score(hidden_NM[:len(prompt) - 1], prompt[1:], request.params.temperature, top)
+        request.prompt_logprobs = [None, *logprobs]
+        request.prompt_top_logprobs = [None, *best] if top else None
 
     def _grow(self) -> None:
         """Give every running request a block for its next position, preempting the youngest
@@ -621,11 +653,15 @@ class LocalEngine:
     def _take(self, requests: list[_Request], logits_BV: torch.Tensor) -> None:
         """Sample one token for each of `requests` (row k of logits), then retire finished ones."""
         version = self._version
-        sampled = sample_rows(logits_BV, [(r.params.temperature, r.params.top_p, r.generator) for r in requests])
-        for request, (token, logprob) in zip(requests, sampled):
+        tops = [r.params.top_logprobs for r in requests]
+        sampled = sample_rows(logits_BV, [(r.params.temperature, r.params.top_p, r.generator) for r in requests],
+                              top=tops if any(tops) else None)
+        for request, (token, logprob, top) in zip(requests, sampled):
             request.token_ids.append(token)
             request.logprobs.append(logprob)
             request.versions.append(version)
+            if top is not None:
+                request.top_logprobs.append(top)
             if request.on_token is not None:
                 try:
                     request.on_token(token, logprob, version)

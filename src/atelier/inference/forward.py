@@ -66,6 +66,7 @@ import torch.nn.functional as F
 
 from atelier.errors import AtelierError
 from atelier.inference.attention import COMPILE_ERRORS, PagedDecodeAttention, decode_attention, length_groups
+from atelier.inference.sampling import most_likely, tempered
 from atelier.inference.threads import threads  # noqa: F401  (re-exported: rl.run sets its threads with it)
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ MAX_RUNS = 4
 """Prefill attention over a block table of more runs than this gathers its rows in one op instead."""
 PACK_BATCH = 64
 """The batch size oneDNN is told to lay packed weights out for; any batch size runs on them."""
+SCORE_CHUNK = 256
+"""Positions whose logits `score` holds at once."""
 
 
 class UnsupportedModel(AtelierError):
@@ -445,10 +448,17 @@ class BatchedForward:
             at += n
         return k_HTD, v_HTD
 
-    @torch.inference_mode()
     def prefill(self, seqs: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
         """Compute `tokens[start:]` of each `(tokens, start, table)` and store their keys and values
         through the block table `table`; return each sequence's last-position logits [B, V] (fp32).
+        See `prefill_keeping`."""
+        return self.prefill_keeping(seqs, [])[0]
+
+    @torch.inference_mode()
+    def prefill_keeping(self, seqs: list[tuple[list[int], int, list[int]]], keep: list[int]
+                        ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`prefill`, also returning the final hidden states [n, M] of the sequences at `keep`
+        (indices into `seqs`), one row per computed position (what `score` turns into logprobs).
 
         Positions before `start` must already be in the sequence's blocks (a prefix-cache hit or
         an earlier computation). The sequences' new tokens run as one flat batch (no padding) for
@@ -499,7 +509,27 @@ class BatchedForward:
             x_1NM = block(layer, self.shape, x_1NM, cos, sin, partial(attend, i))
         self._record_routes(rows_N)
         last = torch.tensor([off + n - 1 for off, n, _, _ in plans], device=dev)
-        return self._logits(x_1NM[0, last])
+        kept = [x_1NM[0, plans[i][0]:plans[i][0] + plans[i][1]] for i in keep]
+        return self._logits(x_1NM[0, last]), kept
+
+    @torch.inference_mode()
+    def score(self, hidden_NM: torch.Tensor, targets: list[int], temperature: float, top: int
+              ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+        """The logprob of `targets[i]` after the position whose hidden state is `hidden_NM[i]` (at
+        `temperature`, as sampling defines logprobs), and the `top` most likely tokens there. The
+        LM head runs over `SCORE_CHUNK` positions at a time, so a long prompt never holds its
+        whole [N, V] logits."""
+        logprobs: list[float] = []
+        best: list[list[tuple[int, float]]] = []
+        targets_N = torch.tensor(targets, dtype=torch.long)
+        for at in range(0, hidden_NM.shape[0], SCORE_CHUNK):
+            logits_CV = self._logits(hidden_NM[at:at + SCORE_CHUNK]).cpu()
+            scaled_CV, lse_C = tempered(logits_CV, [temperature] * logits_CV.shape[0])
+            chosen = targets_N[at:at + SCORE_CHUNK]
+            logprobs += (scaled_CV.gather(1, chosen[:, None])[:, 0] - lse_C).tolist()
+            if top:
+                best += most_likely(scaled_CV, lse_C, top)
+        return logprobs, best
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:

@@ -23,6 +23,8 @@ sums of every sampled row of a batch are one operation (a draw per row with
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 MIN_TEMPERATURE = 1e-5
@@ -37,23 +39,45 @@ def make_generator(seed: int | None) -> torch.Generator:
     return g
 
 
+class Sampled(NamedTuple):
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] | None = None
+    """The most likely tokens and their logprobs (the same distribution), most likely first, when
+    asked for (`sample_rows`'s `top`)."""
+
+
 def sample_token(logits_V: torch.Tensor, temperature: float, top_p: float,
                  generator: torch.Generator) -> tuple[int, float]:
     """Return (token id, logprob as defined in the module docstring) for one row of fp32 logits."""
-    return sample_rows(logits_V[None], [(temperature, top_p, generator)])[0]
+    token, logprob, _ = sample_rows(logits_V[None], [(temperature, top_p, generator)])[0]
+    return token, logprob
 
 
-def sample_rows(logits_BV: torch.Tensor, params: list[tuple[float, float, torch.Generator]]
-                ) -> list[tuple[int, float]]:
-    """`sample_token` for every row b of `logits_BV` with `params[b] = (temperature, top_p, generator)`.
+def tempered(logits_BV: torch.Tensor, temperatures: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits each row's logprobs are of (divided by its temperature; greedy rows as they are)
+    and their log-sum-exp: logprob = scaled - lse."""
+    temps = [t if t >= MIN_TEMPERATURE else 1.0 for t in temperatures]
+    scaled_BV = logits_BV if all(t == 1.0 for t in temps) else logits_BV / torch.tensor(temps)[:, None]
+    return scaled_BV, torch.logsumexp(scaled_BV, dim=-1)
+
+
+def most_likely(scaled_BV: torch.Tensor, lse_B: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
+    """The k most likely tokens of each row and their logprobs, most likely first."""
+    values, ids = scaled_BV.topk(min(k, scaled_BV.shape[-1]), dim=-1)
+    return [list(zip(i, v)) for i, v in zip(ids.tolist(), (values - lse_B[:, None]).tolist())]
+
+
+def sample_rows(logits_BV: torch.Tensor, params: list[tuple[float, float, torch.Generator]],
+                top: list[int] | None = None) -> list[Sampled]:
+    """`sample_token` for every row b of `logits_BV` with `params[b] = (temperature, top_p, generator)`;
+    with `top`, row b also gets its `top[b]` most likely tokens (none where it is 0).
 
     One argmax and one log-sum-exp for the whole batch (no [B, V] log-softmax is materialised);
     only sampled rows (temperature > 0) draw, each from its own generator.
     """
     logits_BV = logits_BV.float().cpu()
-    temps = [t if t >= MIN_TEMPERATURE else 1.0 for t, _, _ in params]
-    scaled_BV = logits_BV if all(t == 1.0 for t in temps) else logits_BV / torch.tensor(temps)[:, None]
-    lse_B = torch.logsumexp(scaled_BV, dim=-1)
+    scaled_BV, lse_B = tempered(logits_BV, [t for t, _, _ in params])
     tokens = logits_BV.argmax(dim=-1).tolist()
     drawn = [b for b, (t, top_p, _) in enumerate(params) if t >= MIN_TEMPERATURE and top_p >= 1.0]
     if drawn:
@@ -65,7 +89,13 @@ def sample_rows(logits_BV: torch.Tensor, params: list[tuple[float, float, torch.
         if temperature >= MIN_TEMPERATURE and top_p < 1.0:
             tokens[b] = _draw(scaled_BV[b] - lse_B[b], top_p, generator)
     logps = (scaled_BV.gather(1, torch.tensor(tokens)[:, None])[:, 0] - lse_B).tolist()
-    return list(zip(tokens, logps))
+    alternatives: list[list[tuple[int, float]] | None] = [None] * len(tokens)
+    wanted = [b for b, k in enumerate(top or []) if k > 0]
+    if wanted:
+        rows = torch.tensor(wanted)
+        for b, best in zip(wanted, most_likely(scaled_BV[rows], lse_B[rows], max(top[b] for b in wanted))):
+            alternatives[b] = best[:top[b]]
+    return [Sampled(t, lp, alt) for t, lp, alt in zip(tokens, logps, alternatives)]
 
 
 def _draw_rows(logp_RV: torch.Tensor, generators: list[torch.Generator]) -> list[int]:

@@ -33,6 +33,13 @@ class SamplingParams:
     # Generation ends once the decoded text contains any of these strings; the
     # tokens up to and including the one that completed the string are kept.
     stop: tuple[str, ...] = ()
+    # Also return the this many most likely tokens, with their logprobs, at every sampled position.
+    top_logprobs: int = 0
+    # Score the prompt: every prompt token's logprob given the tokens before it (None for the
+    # first), with this many most likely tokens at each position; None: no scoring. A scored
+    # prompt is computed whole (its prefix is not taken from a cache). With scoring, max_tokens
+    # may be 0: the prompt is scored and nothing is generated.
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -45,6 +52,13 @@ class Generation:
     finish_reason: FinishReason
     text: str = ""                 # decoded token_ids, for convenience only
     extra: dict[str, Any] = field(default_factory=dict)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """With `SamplingParams.top_logprobs`: per sampled token, the most likely (id, logprob) pairs."""
+    prompt_logprobs: list[float | None] | None = None
+    """With `SamplingParams.prompt_logprobs`: per prompt token, its logprob (None for the first)."""
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    """With `SamplingParams.prompt_logprobs` > 0: per prompt token, the most likely (id, logprob)
+    pairs at its position (None for the first)."""
     routes: Any = None
     """MoE router replay: the experts the sampler's routers chose for every position of prompt +
     token_ids, a numpy uint8/uint16 array [len(prompt) + len(token_ids), MoE layers, k]
