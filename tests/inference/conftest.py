@@ -36,13 +36,14 @@ def generate_concurrently(engine, prompts, params, timeout: float) -> list[list[
 
 
 @contextlib.contextmanager
-def serving(engine):
-    """Serve `engine` with uvicorn on a free port in a thread; yield the base URL."""
+def serving(engine, **options):
+    """Serve `engine` with uvicorn on a free port in a thread (`options`: `create_app`'s); yield the
+    base URL."""
     import uvicorn
 
     from atelier.inference.server import create_app
 
-    srv = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=free_port(),
+    srv = uvicorn.Server(uvicorn.Config(create_app(engine, **options), host="127.0.0.1", port=free_port(),
                                         log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -82,3 +83,14 @@ def hf_model(spiky_model_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(spiky_model_dir).eval()
+
+
+@pytest.fixture(scope="module")
+def litellm():
+    """The litellm module, imported without fetching its price list (skips where it is absent)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    module = pytest.importorskip("litellm")
+    module.suppress_debug_info = True
+    yield module
+    mp.undo()
