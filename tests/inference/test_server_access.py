@@ -3,17 +3,12 @@ names a directory, then confined to it (no path out, no symbolic link out)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
-
 import httpx
 import pytest
 
 from atelier.inference.client import GenerateClient, ServerError
 from atelier.inference.types import SamplingParams
-from tests.inference.conftest import free_port, serving
+from tests.inference.conftest import atelier_serve, serving
 
 openai = pytest.importorskip("openai")
 KEY = "s3cret-key"
@@ -116,49 +111,16 @@ def test_weight_updates_are_off_unless_a_directory_is_named(engine, tmp_path):
     assert engine.version == before
 
 
-def _start(args: list[str], env: dict[str, str], port: int) -> tuple[subprocess.Popen, str]:
-    """`atelier serve ARGS` until it answers /health; returns the process and its stderr so far."""
-    proc = subprocess.Popen([sys.executable, "-m", "atelier.cli.main", "serve", *args, "--port", str(port)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    lines = []
-    assert proc.stderr is not None
-    for line in proc.stderr:  # the "serving ..." line comes once the model is loaded
-        lines.append(line)
-        if line.startswith("serving "):
-            break
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, "".join(lines)
-        try:
-            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
-            return proc, "".join(lines)
-        except httpx.HTTPError:
-            assert time.monotonic() < deadline, "".join(lines)
-            time.sleep(0.1)
-
-
 def test_atelier_serve_takes_the_key_from_its_environment_and_warns_when_open(tiny_model_dir, tmp_path):
-    env = {**os.environ, "ATELIER_CACHE": str(tmp_path / "cache"), "ATELIER_API_KEY": KEY}
     common = ["--model", str(tiny_model_dir), "--dtype", "float32", "--host", "0.0.0.0"]
-    port = free_port()
-    proc, stderr = _start(common, env, port)
-    try:
+    cache = {"ATELIER_CACHE": str(tmp_path / "cache")}
+    with atelier_serve(common, {**cache, "ATELIER_API_KEY": KEY}) as (url, stderr):
         assert "warning" not in stderr and "API key required" in stderr
-        url = f"http://127.0.0.1:{port}"
         assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
         assert httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).status_code == 200
         weights = httpx.post(url + "/v1/weights", json={"path": "x", "version": 1},
                              headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
         assert weights.status_code == 404
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    del env["ATELIER_API_KEY"]
-    port = free_port()
-    proc, stderr = _start(common, env, port)
-    try:
+    with atelier_serve(common, cache) as (url, stderr):
         assert "warning: serving on 0.0.0.0 without an API key" in stderr
-        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).status_code == 200
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        assert httpx.get(url + "/v1/models", timeout=10).status_code == 200

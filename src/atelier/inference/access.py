@@ -23,6 +23,7 @@ import hmac
 import ipaddress
 import json
 from pathlib import Path
+from typing import Any
 
 from atelier.inference.openai_requests import BadRequest
 
@@ -95,3 +96,18 @@ def weight_files(root: Path, requested: str) -> list[Path]:
                          hint="name a .safetensors file or a directory that holds some, relative to the "
                               "weights directory")
     return files
+
+
+def load_weights(root: Path, requested: str) -> dict[str, Any]:
+    """The tensors of the safetensors files `requested` names under `root` (`weight_files`)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    tensors: dict[str, Any] = {}
+    for f in weight_files(root, requested):
+        try:
+            tensors.update(load_file(str(f)))
+        except (SafetensorError, OSError) as exc:
+            raise BadRequest(f"cannot read safetensors weights from {requested!r}: {exc}", param="path",
+                             hint="write the weights with safetensors' save_file") from exc
+    return tensors

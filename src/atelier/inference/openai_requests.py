@@ -20,7 +20,8 @@ Limits, as vLLM's server sets them: `logprobs` (completions) and
 limit). A value the sampler cannot use (a NaN temperature, a 65-bit seed) is
 refused here, before it could fail the requests batched with it; a
 temperature below `atelier.inference.sampling.MIN_TEMPERATURE` is greedy, as
-in vLLM.
+in vLLM, and a `top_p` below `MIN_TOP_P` is that (it keeps the most likely
+token alone either way).
 """
 
 from __future__ import annotations
@@ -29,13 +30,19 @@ import math
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from atelier.errors import AtelierError
 from atelier.inference.types import SamplingParams
 
 MAX_LOGPROBS = 20
 MAX_N = 128
+# The sampler compares top_p with fp32 probabilities, in which a top_p below ~1e-45 is 0 and keeps no
+# token at all. Any top_p below the smallest probability a vocabulary's top token can have keeps that
+# token alone, as this one does: clamping to it changes no distribution.
+MIN_TOP_P = 1e-30
+MESSAGE_SCHEMA = {"type": "object", "required": ["role", "content"], "properties": {
+    "role": {"enum": ["system", "user", "assistant", "tool"]}, "content": {"type": "string"}}}
 STREAMED_LOGPROBS = "send stream: false, or read each token's logprob from the chunks' `atelier` extension"
 
 
@@ -51,9 +58,20 @@ class BadRequest(AtelierError):
 @dataclass(frozen=True)
 class NoOpAt:
     """Field metadata: the values (besides null) at which a field this server does not implement
-    asks for nothing, so it is accepted; any other value is refused, naming the field."""
+    asks for nothing, so it is accepted; any other value is refused, naming the field. The OpenAPI
+    schema lists them as the field's only values."""
 
     values: tuple[Any, ...]
+
+    def __get_pydantic_json_schema__(self, core_schema, handler) -> dict[str, Any]:
+        return {"anyOf": [{"enum": list(self.values)}, {"type": "null"}] if self.values else [{"type": "null"}],
+                "description": "not implemented: accepted at these values"}
+
+
+def _bounded(default: Any, **bounds: Any) -> Any:
+    """A field whose bounds the OpenAPI schema states (for clients and fuzzers) and the code checks,
+    with messages of its own."""
+    return Field(default, json_schema_extra=bounds)
 
 
 class _Body(BaseModel):
@@ -82,12 +100,16 @@ def _same_number(value: Any, ok: Any) -> bool:
 class _Sampling(_Body):
     """What every generating endpoint samples with (`/v1/generate` too)."""
 
-    max_tokens: Optional[int] = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: Optional[int] = None
+    max_tokens: Optional[int] = _bounded(None, minimum=0)
+    temperature: float = _bounded(1.0, minimum=0)
+    top_p: float = _bounded(1.0, exclusiveMinimum=0, maximum=1)
+    seed: Optional[int] = _bounded(None, minimum=-2**63, maximum=2**64 - 1)
     stop: Union[str, list[str], None] = None
     stop_token_ids: Optional[list[int]] = None
+
+    @property
+    def max_tokens_given(self) -> bool:
+        return self.max_tokens is not None
 
     def params(self, default_max: int, max_tokens: int | None = None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -108,7 +130,7 @@ class _Sampling(_Body):
         chosen = self.max_tokens if max_tokens is None else max_tokens
         return SamplingParams(
             max_tokens=default_max if chosen is None else chosen,
-            temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+            temperature=self.temperature, top_p=max(self.top_p, MIN_TOP_P), seed=self.seed,
             stop_token_ids=tuple(self.stop_token_ids or ()), stop=tuple(stop),
         )
 
@@ -116,7 +138,7 @@ class _Sampling(_Body):
 class GenerateRequest(_Sampling):
     """`/v1/generate`: token ids in (see the server's docstring)."""
 
-    prompt_ids: list[int]
+    prompt_ids: list[int] = _bounded(..., minItems=1, items={"type": "integer", "minimum": 0})
 
 
 class StreamOptions(_Body):
@@ -131,7 +153,7 @@ class _OpenAI(_Sampling):
     """The fields the two OpenAI endpoints share (implemented, labels, and no-ops at a default)."""
 
     model: Optional[str] = None
-    n: Optional[int] = None
+    n: Optional[int] = _bounded(None, minimum=1, maximum=MAX_N)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     # Labels for the caller's records: no effect on the reply.
@@ -177,12 +199,12 @@ def _logprob_count(value: int, name: str) -> int:
 
 
 class ChatRequest(_OpenAI):
-    messages: list[dict[str, Any]]
-    max_completion_tokens: Optional[int] = None
+    messages: list[dict[str, Any]] = _bounded(..., minItems=1, items=MESSAGE_SCHEMA)
+    max_completion_tokens: Optional[int] = _bounded(None, minimum=0)
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Union[str, dict[str, Any], None] = None
     logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[int] = _bounded(None, minimum=0, maximum=MAX_LOGPROBS)
     # Labels for the caller's records: no effect on the reply.
     prompt_cache_key: Optional[str] = None
     safety_identifier: Optional[str] = None
@@ -223,6 +245,10 @@ class ChatRequest(_OpenAI):
         return replace(params, top_logprobs=top if self.logprobs else 0)
 
     @property
+    def max_tokens_given(self) -> bool:
+        return self.max_tokens is not None or self.max_completion_tokens is not None
+
+    @property
     def parses_tool_calls(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
 
@@ -230,7 +256,7 @@ class ChatRequest(_OpenAI):
 class CompletionRequest(_OpenAI):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     echo: bool = False
-    logprobs: Optional[int] = None
+    logprobs: Optional[int] = _bounded(None, minimum=0, maximum=MAX_LOGPROBS)
     best_of: Optional[int] = None
     suffix: Annotated[Optional[str], NoOpAt(("",))] = None
 
@@ -282,3 +308,27 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None, s
     param = ".".join(loc) or None
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
     return f"invalid {param or 'body'}: {first.get('msg', 'invalid value')}{more}", param, hint
+
+
+def with_limits(schema: dict[str, Any], max_seq_len: int, vocab: int) -> dict[str, Any]:
+    """An OpenAPI `schema` of these bodies with a served engine's limits: `max_tokens` at most the
+    context, token ids within the vocabulary (what a client, or a fuzzer, may send)."""
+    token = {"type": "integer", "minimum": 0, "maximum": vocab - 1}
+    for model in schema.get("components", {}).get("schemas", {}).values():
+        props = model.get("properties", {})
+        for name in ("max_tokens", "max_completion_tokens"):
+            if name in props:
+                props[name]["maximum"] = max_seq_len
+        for name in ("prompt", "prompt_ids", "stop_token_ids"):
+            if name in props:
+                props[name] = _with_token_ids(props[name], token)
+    return schema
+
+
+def _with_token_ids(schema: Any, token: dict[str, Any]) -> Any:
+    """`schema` with every integer in it (token ids, at any depth of lists) replaced by `token`."""
+    if isinstance(schema, dict):
+        return token if schema.get("type") == "integer" else {k: _with_token_ids(v, token) for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_with_token_ids(v, token) for v in schema]
+    return schema

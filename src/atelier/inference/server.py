@@ -93,7 +93,7 @@ from starlette.exceptions import HTTPException
 
 from atelier.errors import AtelierError, InfraError
 from atelier.inference import openai_replies as replies
-from atelier.inference.access import RequireApiKey, weight_files
+from atelier.inference.access import RequireApiKey, load_weights
 from atelier.inference.engine import EngineBusy
 from atelier.inference.openai_requests import (
     BadRequest,
@@ -102,6 +102,7 @@ from atelier.inference.openai_requests import (
     GenerateRequest,
     WeightsRequest,
     validation_message,
+    with_limits,
 )
 from atelier.inference.openai_replies import split_tool_calls, visible_text  # noqa: F401  (re-exported)
 from atelier.inference.routes import encode_routes
@@ -152,7 +153,18 @@ def create_app(engine: ServedEngine, *, api_key: str | None = None, weights_dir:
     _add_openai_routes(app, served)
     if api_key:
         app.add_middleware(RequireApiKey, api_key=api_key)
+    app.openapi = lambda: _openapi_with_limits(app, engine)  # type: ignore[method-assign]
     return app
+
+
+def _openapi_with_limits(app: FastAPI, engine: ServedEngine) -> dict[str, Any]:
+    """FastAPI's schema of `app`, with this engine's limits (`with_limits`)."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        app.openapi_schema = with_limits(schema, engine.max_seq_len, len(engine.tokenizer))
+    return app.openapi_schema
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -180,7 +192,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
-        hint = "see GET /docs for the endpoints" if exc.status_code in (404, 405) else None
+        hint = ("see GET /docs for the endpoints" if exc.status_code in (404, 405)
+                else "send a UTF-8 JSON object" if exc.status_code == 400 else None)
         return _error(exc.status_code, str(exc.detail), hint, headers=getattr(exc, "headers", None))
 
 
@@ -204,8 +217,7 @@ def _add_atelier_routes(app: FastAPI, served: _Served, weights_dir: Path | None)
 
     @app.post("/v1/generate")
     async def generate(req: GenerateRequest, request: Request):
-        params = req.params(256)
-        served.checked(req.prompt_ids, params)
+        params = served.checked(req.prompt_ids, req.params(256), req.max_tokens_given)
         try:
             [gen] = await _complete(engine, [(req.prompt_ids, params)], request)
         except _ClientGone:
@@ -222,23 +234,9 @@ def _add_atelier_routes(app: FastAPI, served: _Served, weights_dir: Path | None)
             raise BadRequest("weight updates are off on this server", status=404, code="weight_updates_off",
                              hint="start it with `atelier serve --enable-weight-updates DIR` to load "
                                   "weights from under DIR")
-        tensors = _load_tensors(weight_files(weights_dir, req.path), req.path)
+        tensors = load_weights(weights_dir, req.path)
         engine.update_weights(tensors, req.version)
         return {"version": engine.version, "tensors": len(tensors)}
-
-
-def _load_tensors(files: list[Path], named: str) -> dict[str, Any]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    tensors: dict[str, Any] = {}
-    for f in files:
-        try:
-            tensors.update(load_file(str(f)))
-        except (SafetensorError, OSError) as exc:
-            raise BadRequest(f"cannot read safetensors weights from {named!r}: {exc}", param="path",
-                             hint="write the weights with safetensors' save_file") from exc
-    return tensors
 
 
 def _add_openai_routes(app: FastAPI, served: _Served) -> None:
@@ -251,11 +249,10 @@ def _add_openai_routes(app: FastAPI, served: _Served) -> None:
         n, params = req.check(), req.sampling()
         prompts, texts = await run_in_threadpool(served.completion_prompts, req.prompt)
         served.check_choices(n * len(prompts))
-        for prompt in prompts:
-            served.checked(prompt, params)
+        fitted = [served.checked(prompt, params, req.max_tokens_given) for prompt in prompts]
         base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": int(time.time()), "model": engine.name}
-        jobs = [(i * n + j, prompt, _seeded(params, j)) for i, prompt in enumerate(prompts) for j in range(n)]
+        jobs = [(i * n + j, prompt, _seeded(fitted[i], j)) for i, prompt in enumerate(prompts) for j in range(n)]
         echoes = [texts[k // n] if req.echo else "" for k, _, _ in jobs]
         if req.stream:
             choices = [Choice(k, prompt, p, echo) for (k, prompt, p), echo in zip(jobs, echoes)]
@@ -272,7 +269,7 @@ def _add_openai_routes(app: FastAPI, served: _Served) -> None:
         n, params = req.check(), req.sampling()
         served.check_choices(n)
         prompt = await run_in_threadpool(served.chat_prompt, req)
-        served.checked(prompt, params)
+        params = served.checked(prompt, params, req.max_tokens_given)
         base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                 "created": int(time.time()), "model": engine.name}
         if req.stream:
@@ -313,12 +310,17 @@ class _Served:
                              hint="pass that name, or leave `model` out",
                              status=404, param="model", code="model_not_found")
 
-    def checked(self, prompt: list[int], params: SamplingParams) -> None:
+    def checked(self, prompt: list[int], params: SamplingParams, max_tokens_given: bool) -> SamplingParams:
+        """`params` for `prompt`, refused where the engine could never serve them; a default
+        `max_tokens` (none was given) is cut to the room the context leaves after the prompt."""
+        if not max_tokens_given:
+            params = replace(params, max_tokens=max(1, min(params.max_tokens, self.engine.max_seq_len - len(prompt))))
         try:
             self.engine.check_request(len(prompt), params.max_tokens, strict=True,
                                       scoring=params.prompt_logprobs is not None)
         except AtelierError as exc:
             raise BadRequest(exc.message, exc.hint, param="max_tokens" if "max_tokens" in exc.message else None)
+        return params
 
     def check_choices(self, count: int) -> None:
         """Refuse `count` choices when they alone would overflow the engine's queue (a 503 that no
