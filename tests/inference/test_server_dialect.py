@@ -160,12 +160,28 @@ def test_streamed_choices_of_several_prompts_and_usage(server):
     assert usage == plain["usage"]
 
 
-def test_a_temperature_below_the_greedy_threshold_is_greedy(server):
+def test_a_temperature_or_top_p_below_what_floats_hold_is_greedy(server):
+    """A temperature below 1e-5 is greedy (the logits would overflow); a top_p too small for fp32
+    keeps the most likely token, as any top_p below its probability does."""
     engine, url = server
     body = {"prompt": "x = ", "max_tokens": 6}
-    tiny = httpx.post(url + "/v1/completions", json={**body, "temperature": 5.3e-69}, timeout=60)
-    greedy = httpx.post(url + "/v1/completions", json={**body, "temperature": 0}, timeout=60)
-    assert tiny.status_code == 200 and tiny.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+    greedy = httpx.post(url + "/v1/completions", json={**body, "temperature": 0}, timeout=60).json()
+    for extreme in ({"temperature": 5.3e-69}, {"top_p": 1e-300}, {"top_p": 1e-46, "temperature": 0.7}):
+        reply = httpx.post(url + "/v1/completions", json={**body, **extreme}, timeout=60)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == greedy["choices"][0]["text"]
+    flat = httpx.post(url + "/v1/completions", json={**body, "temperature": 1e308, "top_p": 1e-300}, timeout=60)
+    assert flat.status_code == 200  # every token equally likely: which one is kept is arbitrary
+
+
+def test_a_default_max_tokens_is_cut_to_the_room_the_prompt_leaves(server):
+    engine, url = server
+    ids = [7] * (engine.max_seq_len - 5)
+    reply = httpx.post(url + "/v1/generate", json={"prompt_ids": ids, "temperature": 0, "stop_token_ids": [-1]},
+                       timeout=120)
+    assert reply.status_code == 200 and len(reply.json()["token_ids"]) == 5
+    refused = httpx.post(url + "/v1/generate", json={"prompt_ids": ids, "max_tokens": engine.max_seq_len + 1},
+                         timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
 
 
 ACCEPTED_DEFAULTS = {"user": "eval-run-3", "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
