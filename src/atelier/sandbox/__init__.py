@@ -21,11 +21,13 @@ from atelier.sandbox.base import (
     SandboxPathError,
     SandboxUnavailable,
     SnapshotMissing,
+    SnapshotUnusable,
 )
 
 __all__ = [
     "WORKDIR", "ExecResult", "Sandbox", "SandboxClosed", "SandboxConfig", "SandboxError",
     "SandboxLimitExceeded", "SandboxOutOfMemory", "SandboxPathError", "SandboxUnavailable", "SnapshotMissing",
+    "SnapshotUnusable",
     "create_sandbox", "SandboxPool", "PoolExhausted",
 ]
 

@@ -84,6 +84,7 @@ import errno
 import functools
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -117,6 +118,7 @@ from atelier.sandbox import egress, memory
 from atelier.sandbox.hostfs import SANDBOX_PATH, generated_etc_files, runtime_dir, system_bind_args
 from atelier.sandbox.layers import Layer
 from atelier.sandbox.rootmap import Stage, acting_as, check_mapped, running_as_root
+from atelier.sandbox.snapshot import check_snapshot, copy_failure
 from atelier.sandbox.process import run_process
 
 log = logging.getLogger(__name__)
@@ -128,6 +130,8 @@ REQUIRED_TOOLS = ("bwrap", "nsenter", "setpriv", "prlimit")
 # through /proc/PID/cwd, then wait on stdin with the shell's own `read` (no
 # extra program to start): when the host closes the pipe or dies, it exits and
 # the kernel ends the whole PID namespace.
+COPY_FAILED = 97  # the holder's exit status when it cannot copy the snapshot
+INSIDE_COPY = re.compile(r"^/\.atelier/(?:rw/upper|lower\d+)/(?:\./)?")  # the paths its cp names
 HOLDER_SCRIPT = r"""
 rw=/.atelier/rw
 if [ "$2" = overlay ] && mount -t overlay overlay -o "lowerdir=$1,upperdir=$rw/upper,workdir=$rw/work,userxattr" /workspace 2>$rw/mount.err; then
@@ -167,6 +171,7 @@ class BwrapSandbox(Sandbox):
                 f"snapshot directory {str(snapshot)!r} does not exist",
                 hint="pass the path of a repository checkout to create the sandbox from",
             )
+        check_snapshot(self.snapshot)
         if self.config.network == "host":
             log.warning("sandbox over %s shares the HOST network (network='host')", self.snapshot)
         self.name = f"{self.snapshot.name}-{uuid.uuid4().hex[:8]}"
@@ -272,6 +277,8 @@ class BwrapSandbox(Sandbox):
         if not line or line[0] != "ready":
             self._proc.kill()
             err = self._proc.communicate()[1].decode(errors="replace").strip()
+            if self._proc.returncode == COPY_FAILED:
+                raise copy_failure(self.snapshot, err, self.config.disk_mb, INSIDE_COPY)
             raise SandboxUnavailable(
                 f"bubblewrap could not create a sandbox: {err or 'no output'}",
                 hint="unprivileged user namespaces must be enabled "
