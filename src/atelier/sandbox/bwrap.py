@@ -67,6 +67,11 @@ Not isolated:
 - `fork()` copies files, not running processes or their memory.
 - Read-only host files that are bound (the system directories) can be read.
 
+Snapshots: one directory tree on one filesystem. One that holds mount points
+or lies on a kernel pseudo-filesystem is refused (`SnapshotUnusable`); sockets,
+FIFOs, device files and unreadable files stay in the overlay as on the host;
+a copy names what it cannot take (see `atelier.sandbox.snapshot`).
+
 Fallback: where the kernel refuses an overlay mount inside a user namespace
 (Linux < 5.11, or a filesystem without user xattrs), the workspace is a copy
 of the snapshot in the sandbox's tmpfs. Creation, fork and diff then cost time
