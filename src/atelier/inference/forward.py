@@ -302,7 +302,7 @@ def compiled_decode_layer() -> Callable:
     batch of one or more) serve every layer of every engine with the same shapes."""
     global _compiled_decode_layer
     if _compiled_decode_layer is None:
-        _compiled_decode_layer = torch.compile(decode_layer, dynamic=False)
+        _compiled_decode_layer = torch.compile(decode_layer, dynamic=False, options={"realize_reads_threshold": 1, "emulate_precision_casts": True})
     return _compiled_decode_layer
 
 
