@@ -123,7 +123,6 @@ def test_completions_text_and_token_prompts(server, oai):
 
 
 def test_generate_client_is_a_token_model_and_sees_weight_updates(server, tmp_path):
-    import torch
     from safetensors.torch import save_file
 
     engine, url = server

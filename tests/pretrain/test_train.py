@@ -47,7 +47,7 @@ def _sft_dir(tmp_path: Path, tokenizer) -> Path:
     for i, reward in enumerate([1.0, 0.0, 1.0]):
         seg = Segment()
         seg.extend_prompt(tokenizer("<|im_start|>user\nfix it<|im_end|>\n<|im_start|>assistant\n")["input_ids"])
-        ids = tokenizer(f'<tool_call>\n{{"name": "submit", "arguments": {{}}}}\n</tool_call><|im_end|>')["input_ids"]
+        ids = tokenizer('<tool_call>\n{"name": "submit", "arguments": {}}\n</tool_call><|im_end|>')["input_ids"]
         seg.extend_sampled(ids, [0.0] * len(ids), [0] * len(ids))
         Trajectory(task_id=f"t{i}", segments=[seg], reward=reward).save(out / f"t{i}.json")
     return out

@@ -20,7 +20,6 @@ from atelier.inference.vllm_server import VLLMConfig, VLLMUnavailable, _group_me
 from atelier.rl.config import TrainConfig
 from atelier.rl.ledger import Ledger
 from atelier.rl.run import run_training
-
 from tests.rl.test_resume import _wait_for_running, _wait_for_steps, assert_trained_exactly_once
 
 VLLM = ["inference.engine=vllm", "inference.vllm.enforce_eager=true", "inference.vllm.chunk_tokens=8",
@@ -149,7 +148,7 @@ def test_tiny_recipe_on_vllm_resumes_after_kill_9_of_the_trainer(tmp_path):
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.timeout(2400)  # Ray's actors and a vLLM server start inside the inference actor
-def test_ray_launcher_samples_on_a_vllm_server_in_its_inference_actor(ray_instance, tmp_path):
+def test_ray_backend_samples_on_a_vllm_server_in_its_inference_actor(ray_instance, tmp_path):
     """launcher=ray with inference.engine=vllm: the inference actor starts (and owns) one vLLM server;
     weights reach it through the delta chain, and later groups sample at the new version."""
     _need_vllm()
