@@ -391,8 +391,9 @@ def measure_rows(args, rows: dict[str, RowProcess], sections: set[str]) -> dict:
                 load = record.load()
                 result = row.call("agent")
                 replies = result.pop("replies", None)
+                digest = hashlib.sha1(json.dumps(replies).encode()).hexdigest()[:12]
                 runs.append(progress(f"{name} agent", {"row": name, "batch": "agent", "repeat": rep, "load": load,
-                                                       **result, "replies_sha1": hashlib.sha1(json.dumps(replies).encode()).hexdigest()[:12]}))
+                                                       **result, "replies_sha1": digest}))
     return {"runs": runs, "rows": {name: summarize(runs, name) for name in live},
             "skipped": {name: r.error for name, r in rows.items() if r.error is not None}}
 
@@ -606,18 +607,20 @@ def main() -> None:
         try:
             for name in names:
                 rows[name] = RowProcess(name, args)
-                progress(f"{name} loaded", rows[name].info if rows[name].error is None else {"skipped": rows[name].error})
+                row = rows[name]
+                progress(f"{name} loaded", row.info if row.error is None else {"skipped": row.error})
             report.update(measure_rows(args, rows, sections))
-            if "agent" in sections and f"builtin_{default}" in rows and rows[f"builtin_{default}"].error is None:
-                report["agent_without_prefix_cache"] = without = rows[f"builtin_{default}"].call("agent", False)
-                with_cache = rows[f"builtin_{default}"].call("agent", True)
+            ours_row = rows.get(f"builtin_{default}")
+            if "agent" in sections and ours_row is not None and ours_row.error is None:
+                report["agent_without_prefix_cache"] = without = ours_row.call("agent", False)
+                with_cache = ours_row.call("agent", True)
                 report["agent_identical_with_and_without_cache"] = without.pop("replies") == with_cache.pop("replies")
         finally:
             for row in rows.values():
                 row.close()
         ours = report["rows"].get(f"builtin_{default}")
         peers = {n: s for n, s in report["rows"].items() if not n.startswith("builtin")}
-        report["ratios"] = {str(b): ratio(ours, peers, str(b)) for b in args.batches} if "throughput" in sections else {}
+        report["ratios"] = {str(b): ratio(ours, peers, str(b)) for b in args.batches if "throughput" in sections}
         if "agent" in sections:
             report["ratios"]["agent"] = ratio(ours, {n: s for n, s in peers.items() if "agent" in s}, "agent",
                                               higher_is_better=False)

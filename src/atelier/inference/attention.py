@@ -100,7 +100,8 @@ def length_groups(lengths: list[int]) -> list[tuple[int, int]]:
         return [(0, len(lengths))]
     groups, start, held = [], 0, 0
     for b, n in enumerate(lengths):
-        if b > start and len(groups) < MAX_GROUPS - 1 and (b + 1 - start) * lengths[start] > (1 + PADDING_SLACK) * (held + n):
+        padded, held_then = (b + 1 - start) * lengths[start], held + n
+        if b > start and len(groups) < MAX_GROUPS - 1 and padded > (1 + PADDING_SLACK) * held_then:
             groups.append((start, b))
             start, held = b, 0
         held += n

@@ -101,6 +101,7 @@ from atelier.inference.sampling import make_generator, sample_rows
 from atelier.inference.threads import StepThreads
 from atelier.inference.threads import threads as running_on
 from atelier.inference.types import Generation, SamplingParams
+from atelier.train.devices import cpu_has_bf16
 
 TokenCallback = Callable[[int, float, int], None]
 KV_BLOCK = 32  # positions per KV block (and per prefix-cache entry)
@@ -190,23 +191,6 @@ class _WeightUpdate:
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-def bf16_in_flags(flags: list[str]) -> bool:
-    """Whether /proc/cpuinfo `flags` name a bf16 matrix unit: AMX-BF16 or AVX512-BF16."""
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (from /proc/cpuinfo, else torch's probes)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            if bf16_in_flags(next((line for line in f if line.startswith("flags")), "").split()):
-                return True
-    except OSError:
-        pass
-    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-    return any(getattr(torch.cpu, p, lambda: False)() for p in probes)
 
 
 def pick_dtype(device: torch.device | str, dtype: str | torch.dtype | None) -> torch.dtype:

@@ -295,6 +295,14 @@ def decode_layer(layer: Layer, shape: Shape, k_KRD: torch.Tensor, v_KRD: torch.T
 
 
 _compiled_decode_layer = None
+COMPILE_OPTIONS = {
+    # Keep q (and any value a reduction reads) in a buffer: inlined, inductor recomputed q's rotary
+    # embedding for every key position it attended to, which made the fused layer slower than eager.
+    "realize_reads_threshold": 1,
+    # Round intermediates to the model's dtype where eager does, so compiled and eager agree as
+    # closely as two kernels can.
+    "emulate_precision_casts": True,
+}
 
 
 def compiled_decode_layer() -> Callable:
@@ -302,7 +310,7 @@ def compiled_decode_layer() -> Callable:
     batch of one or more) serve every layer of every engine with the same shapes."""
     global _compiled_decode_layer
     if _compiled_decode_layer is None:
-        _compiled_decode_layer = torch.compile(decode_layer, dynamic=False, options={"realize_reads_threshold": 1, "emulate_precision_casts": True})
+        _compiled_decode_layer = torch.compile(decode_layer, dynamic=False, options=COMPILE_OPTIONS)
     return _compiled_decode_layer
 
 
