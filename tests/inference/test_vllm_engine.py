@@ -401,8 +401,8 @@ def test_a_run_reattaching_by_url_serves_its_own_weights(vllm_engine, vllm_model
     model as the run's version before any rollout."""
     from atelier.config import load_config
     from atelier.inference.engine import LocalEngine
-    from atelier.rl.config import TrainConfig
     from atelier.rl.backends import open_rollout_engine
+    from atelier.rl.config import TrainConfig
 
     prompt = prompts(vllm_engine.tokenizer)[0]
     other = perturbed(hf_model, seed=5, scale=0.1)

@@ -90,7 +90,10 @@ class RunResult:
 
 def run_pretrain(config: PretrainConfig, run_dir: str | Path, *, quiet: bool = True) -> RunResult:
     """Run every phase of `config` in `run_dir`, or continue the run there from its last
-    checkpoint; return where the model is."""
+    checkpoint; return where the model is (at once when the run there is finished)."""
+    finished = _finished(config, Path(run_dir))
+    if finished is not None:
+        return finished
     with joined_ranks(config.device, config.timeout_s, wanted=config.ranks, key="ranks",
                       command="atelier pretrain") as ranks:
         return _run_phases(config, Path(run_dir), quiet, ranks)
@@ -245,6 +248,17 @@ def _finish(run: _Run, result: RunResult) -> RunResult:
         "final_model": str(final), "global_step": result.global_step,
         "phases": [p.name for p in run.config.phases], "evals": result.evals}, indent=1) + "\n")
     return result
+
+
+def _finished(config: PretrainConfig, run_dir: Path) -> RunResult | None:
+    """The result of the run in `run_dir` when it is this config's and finished every phase."""
+    summary = run_dir / "summary.json"
+    if not summary.is_file() or not (run_dir / "final").is_dir() or not prepare_run_dir(config, run_dir):
+        return None
+    done = json.loads(summary.read_text())
+    if done.get("global_step") != sum(p.steps for p in config.phases):
+        return None
+    return RunResult(run_dir, run_dir / "final", done["global_step"], False, [], done.get("evals"))
 
 
 def prepare_run_dir(config: PretrainConfig, run_dir: Path) -> bool:
