@@ -92,15 +92,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from atelier.errors import AtelierError, InfraError
 from atelier.inference.forward import BatchedForward
-from atelier.inference.models import DEFAULT_KV_CACHE_TOKENS, DEFAULT_PREFIX_CACHE_TOKENS
 from atelier.inference.prefix_cache import BlockPool
 from atelier.inference.sampling import make_generator, sample_rows
 from atelier.inference.threads import StepThreads
 from atelier.inference.threads import threads as running_on
-from atelier.inference.types import Generation, SamplingParams
+from atelier.inference.types import DEFAULT_KV_CACHE_TOKENS, DEFAULT_PREFIX_CACHE_TOKENS, Generation, SamplingParams
+from atelier.moe.replay import pack_routes
 from atelier.train.devices import cpu_has_bf16
 
 TokenCallback = Callable[[int, float, int], None]
@@ -281,8 +283,6 @@ class LocalEngine:
 
     def _load(self, path: Path, kv_cache_tokens: int, prefix_cache_tokens: int, max_seq_len: int | None,
               compile: bool | None, threads: int | None) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
         blocks = kv_cache_tokens // KV_BLOCK
@@ -418,8 +418,6 @@ class LocalEngine:
 
         Returns the number of tensors loaded.
         """
-        from safetensors.torch import load_file
-
         source = Path(path)
         files = sorted(source.glob("*.safetensors")) if source.is_dir() else [source]
         if not files or not all(f.is_file() for f in files):
@@ -688,8 +686,6 @@ class LocalEngine:
         ids_nLk = self._forward.routes(request.blocks, request.length) if request.blocks else None
         if ids_nLk is None:
             return None
-        from atelier.moe.replay import pack_routes
-
         pad = len(request.context) - ids_nLk.shape[0]
         ids_NLk = torch.cat([ids_nLk, ids_nLk.new_full((pad, *ids_nLk.shape[1:]), -1)])
         return pack_routes(ids_NLk, self._forward.router.num_experts)

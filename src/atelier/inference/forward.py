@@ -68,6 +68,7 @@ from atelier.errors import AtelierError
 from atelier.inference.attention import COMPILE_ERRORS, PagedDecodeAttention, decode_attention, length_groups
 from atelier.inference.sampling import most_likely, tempered
 from atelier.inference.threads import threads  # noqa: F401  (re-exported: rl.run sets its threads with it)
+from atelier.moe.replay import RouterReplay
 
 log = logging.getLogger(__name__)
 
@@ -350,8 +351,6 @@ class BatchedForward:
         self.stats = {"copied_rows": 0,      # see _keys
                       "decode_groups": 0}    # attention calls decode made (length_groups), all layers as one
         if any(layer.gate_up is None for layer in self.layers):
-            from atelier.moe.replay import RouterReplay
-
             self.router = RouterReplay(hf_model)   # observes only: what each router chose, per call
         routes = None if self.router is None else (self.router.num_layers, self.router.top_k)
         self.kv = PagedKV(len(self.layers), kv_blocks, block, self.kv_heads, self.head_dim,
