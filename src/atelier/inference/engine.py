@@ -294,7 +294,8 @@ class LocalEngine:
         self._targets = self.model.state_dict()
         eos = self.tokenizer.eos_token_id
         self._default_stop = frozenset([eos] if eos is not None else [])
-        self._threads = StepThreads(threads)
+        # on a GPU the CPU threads only feed it: nothing to choose
+        self._threads = StepThreads(threads if self.device.type == "cpu" else threads or torch.get_num_threads())
 
     def _run(self, *load) -> None:
         *args, loaded, ready = load
