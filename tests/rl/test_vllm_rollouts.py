@@ -44,6 +44,12 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _server_pid(run: Path) -> int:
+    """The pid of the run's vLLM server: the first line of its pid file (the second names its
+    socket directory)."""
+    return int((run / "vllm" / "vllm-server.pid").read_text().split()[0])
+
+
 def _vllm_servers_of(run: Path) -> set[int]:
     """Pids of vLLM API servers whose command line names a model under `run`."""
     found = set()
@@ -69,7 +75,7 @@ def test_tiny_model_learns_on_vllm_and_survives_kill_9_of_the_server(tmp_path):
 
     def on_step(record):
         if record["step"] == 4:
-            pid = int((run_dir / "vllm" / "vllm-server.pid").read_text())
+            pid = _server_pid(run_dir)
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
 
@@ -78,7 +84,7 @@ def test_tiny_model_learns_on_vllm_and_survives_kill_9_of_the_server(tmp_path):
     rewards = [m["reward_mean"] for m in summary.metrics]
     assert summary.steps == 14 and len(rewards) == 14
     assert sum(rewards[-3:]) / 3 > sum(rewards[:2]) / 2 + 0.15, rewards  # chance level is ~0.25
-    assert int((run_dir / "vllm" / "vllm-server.pid").read_text()) != killed[0]  # a new server ran the rest
+    assert _server_pid(run_dir) != killed[0]  # a new server ran the rest
     ledger = Ledger.load(run_dir / "ledger.jsonl")
     counts = ledger.counts()
     assert counts["trained"] == 14 * 2 * 8 and counts["dropped"] == 0
@@ -120,7 +126,7 @@ def test_tiny_recipe_on_vllm_resumes_after_kill_9_of_the_trainer(tmp_path):
     proc = _train(str(recipe), "--run-dir", str(run))
     _wait_for_steps(proc, run / "metrics.jsonl", 1, limit=1500)  # the server's start comes first
     _wait_for_running(proc, run / "ledger.jsonl", limit=600)
-    server = int((run / "vllm" / "vllm-server.pid").read_text())
+    server = _server_pid(run)
     assert _alive(server)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -135,7 +141,7 @@ def test_tiny_recipe_on_vllm_resumes_after_kill_9_of_the_trainer(tmp_path):
     resumed = _train(str(recipe), "--run-dir", str(run))
     out, err = resumed.communicate(timeout=1800)
     assert resumed.returncode == 0, err[-3000:]
-    assert int((run / "vllm" / "vllm-server.pid").read_text()) != server  # a new server ran the rest
+    assert _server_pid(run) != server  # a new server ran the rest
     assert_trained_exactly_once(run, STEPS, GROUPS, SIZE, in_flight)
     last = run / "checkpoints" / f"step-{STEPS:06d}" / "model" / "config.json"
     assert last.exists()
