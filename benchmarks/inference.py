@@ -612,8 +612,8 @@ def main() -> None:
             report.update(measure_rows(args, rows, sections))
             # exact in fp32; in bf16 a prefix-cache hit computes the same logits in another order
             # and can move a greedy choice, as any two kernels can
-            exact = next((rows[n] for n in ("builtin_fp32", f"builtin_{default}") if n in rows and rows[n].error is None),
-                         None)
+            usable = [rows[n] for n in ("builtin_fp32", f"builtin_{default}") if n in rows and rows[n].error is None]
+            exact = usable[0] if usable else None
             if "agent" in sections and exact is not None:
                 report["agent_without_prefix_cache"] = without = exact.call("agent", False)
                 with_cache = exact.call("agent", True)
