@@ -49,11 +49,10 @@ Guarantees, which the tests check:
   rounding either: each request's prefill and decode run as forwards of
   their own (a batch of one; requests still interleave step by step) and the
   prefix cache is off, so its tokens *and logprobs* are bit for bit those it
-  gets alone, whatever ran beside it and whenever it arrived. Measured here:
-  a shared-prompt prefix-cache hit (the second member of a group computing
-  only its prompt's tail) moved logprobs by up to 2e-3 in bf16, and which
-  member of a group hits the cache depends on which thread reaches the queue
-  first. That is what reproducible RL runs need (`rollout.batch_invariant`);
+  gets alone, whatever ran beside it and whenever it arrived. Without it, a
+  shared-prompt prefix-cache hit (the second member of a group computing only
+  its prompt's tail) moves logprobs by bf16 rounding, and which member of a
+  group hits the cache depends on which thread reaches the queue first. That is what reproducible RL runs need (`rollout.batch_invariant`);
   it costs the throughput of batching. Preemption (the KV budget full)
   recomputes a request's keys in one prefill and still changes its rounding.
 - A cancelled request (`RequestHandle.cancel()`, e.g. its HTTP client went

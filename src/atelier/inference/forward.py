@@ -131,7 +131,7 @@ def _fuse(module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | 
 
 def can_pack(weight: torch.Tensor) -> bool:
     """Whether oneDNN computes from a packed copy of this weight: a CPU tensor in bf16 on a CPU
-    with bf16 units (where packing measured twice as fast at small batches, bit for bit equal)."""
+    with bf16 units (faster at small batches, bit for bit equal: see docs/log/2026-12-06-rollout-engine.md)."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
@@ -490,7 +490,7 @@ class BatchedForward:
                 continue
             # Additive and [1, 1, N, T], made once for every layer: SDPA's fused CPU kernel takes a 4-D
             # mask only (a 3-D one sent it to the unfused path, which materialises and softmaxes every
-            # [H, N, T] score: its attention ~10x slower here), and a boolean one it converts at every layer
+            # [H, N, T] score, far slower), and a boolean one it converts at every layer
             hidden = torch.arange(start + n, device=dev)[None, :] > torch.arange(start, start + n, device=dev)[:, None]
             mask_11NT = torch.zeros(hidden.shape, dtype=dtype, device=dev).masked_fill_(hidden, float("-inf"))
             plans.append((off, n, self._plan(table, start + n), mask_11NT[None, None]))

@@ -8,7 +8,7 @@ torch) can type against it. Backends: the local engine
 
 Versions are stamped per token, at the decode step that produced the token:
 a weight update that lands mid-generation shows up as a change of version
-inside one `Generation` (PITFALLS: stamping at completion mislabels tokens).
+inside one `Generation` (stamping at completion would mislabel tokens).
 """
 
 from __future__ import annotations
