@@ -52,8 +52,9 @@ Guarantees, which the tests check:
   gets alone, whatever ran beside it and whenever it arrived. Without it, a
   shared-prompt prefix-cache hit (the second member of a group computing only
   its prompt's tail) moves logprobs by bf16 rounding, and which member of a
-  group hits the cache depends on which thread reaches the queue first. That is what reproducible RL runs need (`rollout.batch_invariant`);
-  it costs the throughput of batching. Preemption (the KV budget full)
+  group hits the cache depends on which thread reaches the queue first. That
+  is what reproducible RL runs need (`rollout.batch_invariant`); it costs the
+  throughput of batching. Preemption (the KV budget full)
   recomputes a request's keys in one prefill and still changes its rounding.
 - A cancelled request (`RequestHandle.cancel()`, e.g. its HTTP client went
   away) leaves within one step with `finish_reason="abort"` and gives back its

@@ -65,7 +65,7 @@ import torch
 import torch.nn.functional as F
 
 from atelier.errors import AtelierError
-from atelier.inference.attention import COMPILE_ERRORS, PagedDecodeAttention, decode_attention, length_groups
+from atelier.inference.attention import PagedDecodeAttention, decode_attention, is_compile_error, length_groups
 from atelier.inference.sampling import most_likely, tempered
 from atelier.inference.threads import threads  # noqa: F401  (re-exported: rl.run sets its threads with it)
 from atelier.moe.replay import RouterReplay
@@ -589,7 +589,9 @@ class BatchedForward:
             torch._dynamo.maybe_mark_dynamic(table, 1)
         try:
             return self._compiled_layer(*args, decode_attention)
-        except COMPILE_ERRORS as exc:
+        except Exception as exc:
+            if not is_compile_error(exc):
+                raise
             log.warning("compiling the decode layer failed (%s); running it eagerly", type(exc).__name__)
             self._compiled_layer = None
             return decode_layer(*args, self.attention)
