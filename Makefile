@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --constraint constraints.txt
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-all bench experiment-cpt sandbox-deps test-deps vllm-env clean
+.PHONY: demo test test-all lint bench experiment-cpt sandbox-deps test-deps vllm-env clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -64,12 +64,18 @@ test-deps:
 	$(call install_missing,$(TEST_PACKAGES))
 
 demo: $(STAMP) sandbox-deps
-	$(VENV)/bin/atelier run recipes/demo.toml --out runs/demo
+	$(VENV)/bin/atelier run recipes/demo.toml --run-dir runs/demo
 
-test: $(STAMP) $(VLLM_STAMP) test-deps
+# ruff (pyflakes, pycodestyle, import order) and import-linter (the layer table), both configured
+# in pyproject.toml; the test targets run them first.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks experiments
+	$(VENV)/bin/lint-imports
+
+test: $(STAMP) $(VLLM_STAMP) test-deps lint
 	$(PY) -m pytest
 
-test-all: $(STAMP) $(VLLM_STAMP) test-deps
+test-all: $(STAMP) $(VLLM_STAMP) test-deps lint
 	$(PY) -m pytest -m ''
 
 bench: $(STAMP) sandbox-deps

@@ -52,7 +52,8 @@ def kind_of(name: str) -> str:
 
 def profile(engine, prompts, steps: int, new_tokens: int) -> dict:
     import torch
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     from atelier.inference.types import SamplingParams
 

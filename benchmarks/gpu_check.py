@@ -91,8 +91,7 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=0, help="trainer ranks (default: every GPU; 1 on the CPU)")
     parser.add_argument("--engine", default="auto", choices=["auto", "builtin", "vllm"])
     parser.add_argument("--out", default=None, help="keep the run directory here (default: a temporary one)")
-    parser.add_argument("--demo-model", default=None,
-                        help="also run recipes/demo-gpu.toml with this model directory (GPU only)")
+    parser.add_argument("--demo-model", help="also run recipes/demo-gpu.toml with this model directory (GPU only)")
     args = parser.parse_args()
 
     import torch
@@ -109,8 +108,9 @@ def main() -> int:
     report: dict = {"check": "gpu", "torch": torch.__version__, "gpu": None, "engine": engine, "ranks": ranks}
     if gpu:
         props = torch.cuda.get_device_properties(0)
-        report.update(gpu=props.name, gpus=torch.cuda.device_count(), gpu_memory_gb=round(props.total_memory / 2**30, 1),
-                      cuda=torch.version.cuda, bf16_matmul_tflops=round(matmul_tflops("cuda"), 1))
+        report.update(gpu=props.name, gpus=torch.cuda.device_count(),
+                      gpu_memory_gb=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda,
+                      bf16_matmul_tflops=round(matmul_tflops("cuda"), 1))
     else:
         report["note"] = ("no GPU present: torch sees no CUDA device. Ran the same path on the CPU with the tiny "
                           "model in fp32 as a smoke test of this script; the figures are not a GPU measurement.")

@@ -27,7 +27,6 @@ import secrets
 import statistics
 import sys
 import time
-from pathlib import Path
 
 from atelier.sandbox import create_sandbox
 from atelier.tasks import load_task

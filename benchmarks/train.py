@@ -126,9 +126,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--activation-checkpointing", nargs="?", const="on", default="off", choices=["off", "on", "both"],
+    parser.add_argument("--activation-checkpointing", nargs="?", const="on", default="off",
+                        choices=["off", "on", "both"],
                         help="rl.trainer.activation_checkpointing; both: each configuration without and with it")
-    parser.add_argument("--logprob-chunk", type=int, default=512, help="tokens per logprob-head block (rl.trainer.logprob_chunk)")
+    parser.add_argument("--logprob-chunk", type=int, default=512,
+                        help="tokens per logprob-head block (rl.trainer.logprob_chunk)")
     parser.add_argument("--shared-prefix", type=int, default=0,
                         help="tokens every sample begins with (a system prompt); >0 also times rl.trainer.share_prefix "
                              "off, and on with recompute_prefix off (the prefix's activations kept)")
@@ -194,7 +196,8 @@ def ratios(results: list[dict], args, checkpointing: tuple[bool, ...]) -> dict[s
     out = {}
     for other in (r for r in results if r["prefix"] != "shared"):   # the same samples, run whole or prefix kept
         shared = by[(other["ranks"], other["precision"], other["activation_checkpointing"])]
-        where = f"{other['ranks']}_ranks_{other['precision']}" + ("_checkpointed" if other["activation_checkpointing"] else "")
+        where = (f"{other['ranks']}_ranks_{other['precision']}"
+                 + ("_checkpointed" if other["activation_checkpointing"] else ""))
         if other["prefix"] == "whole":
             out[f"shared_prefix_speedup_{where}"] = round(other["step_s"] / shared["step_s"], 2)
         else:

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 
 import pytest
+import torch
+
+# Triton reads TRITON_INTERPRET once, when something first imports it, and torch.compile (which the
+# engine uses) imports it: set here, before any test, so the kernel tests run it interpreted.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from atelier.sandbox import SandboxConfig, SandboxUnavailable
 

@@ -12,8 +12,8 @@ import pytest
 from atelier.pipeline.config import RunConfig
 from atelier.pipeline.runner import StageLedger
 from atelier.pipeline.stages import PipelineError, StageContext, choose_held_out, split_tasks, write_splits
-from atelier.tasks.split import hold_apart, task_files
 from atelier.tasks.schema import PythonEnv, TaskError, TaskLimits, TaskMetadata, TaskSpec
+from atelier.tasks.split import hold_apart, task_files
 from atelier.tasks.writer import write_task
 
 # task id -> the source file its gold patch changes; "t1" is held out.

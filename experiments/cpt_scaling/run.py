@@ -220,8 +220,15 @@ def run_sft(out: Path, model: str, sft_file: Path, args) -> dict[str, Any]:
 
 
 def run_rl(out: Path, model: str, tasks_file: Path, args) -> dict[str, Any]:
-    from atelier.rl.config import (CurriculumConfig, EnvConfig, PythonEnvConfig, RolloutConfig, SyncConfig,
-                                   TrainConfig, TrainerConfig)
+    from atelier.rl.config import (
+        CurriculumConfig,
+        EnvConfig,
+        PythonEnvConfig,
+        RolloutConfig,
+        SyncConfig,
+        TrainConfig,
+        TrainerConfig,
+    )
     from atelier.rl.run import run_training
     from atelier.rl.shaping import ShapingConfig
 

@@ -13,6 +13,7 @@ records exactly what ran; `load_config(Model, dumped_path, [])` restores it.
 from __future__ import annotations
 
 import difflib
+import json
 import re
 import types
 import typing
@@ -20,11 +21,12 @@ from datetime import date, datetime, time
 from pathlib import Path
 from typing import Any, Sequence, TypeVar
 
+import tomli_w
 from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic_core import PydanticUndefined
 
 from atelier.compat import tomllib
 from atelier.errors import AtelierError
-
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -99,8 +101,6 @@ def dump_config(model: BaseModel) -> str:
     Fields that are None are left out (TOML has no null), so reloading the dump
     gives the same model when those fields default to None.
     """
-    import tomli_w
-
     data = model.model_dump(mode="json", exclude_none=True)
     try:
         return tomli_w.dumps(data)
@@ -213,9 +213,6 @@ def _describe(err: Any, key: str, parent: Any) -> tuple[str, str | None]:
 def _fix(key: str, parent: Any) -> str | None:
     """How to write `key` right: a section's form, or its default as an example value.
     (Named `_fix`, not a hint per pydantic error type: the default shows type and range at once.)"""
-    import json
-
-    from pydantic_core import PydanticUndefined
 
     field = _fields(parent).get(key.rsplit(".", 1)[-1])
     if field is None:

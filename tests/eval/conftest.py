@@ -1,4 +1,4 @@
-"""Fixtures for evaluation tests: the two-task suite of `eval_helpers` and one
+"""Fixtures for evaluation tests: the two-task suite of `tests.helpers.build_suite` and one
 venv cache for the session."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eval_helpers import build_suite
+from tests.helpers import build_suite
 
 
 @pytest.fixture

@@ -6,8 +6,14 @@ import math
 
 import pytest
 
-from atelier.eval.compare import (MEASURES, binomial_upper_tail, evaluation_figures, mcnemar_one_sided,
-                                  pair_attempts, wilson_interval)
+from atelier.eval.compare import (
+    MEASURES,
+    binomial_upper_tail,
+    evaluation_figures,
+    mcnemar_one_sided,
+    pair_attempts,
+    wilson_interval,
+)
 from atelier.eval.records import EvalRecord
 
 

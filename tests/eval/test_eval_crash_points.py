@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from eval_helpers import build_suite
+from tests.helpers import build_suite
 
 POINTS = ["eval.after_meta:1", "eval.after_trajectory:1", "eval.after_trajectory:2",
           "eval.after_record:1", "eval.before_summary:1"]

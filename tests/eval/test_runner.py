@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from atelier.eval.report import build_report
 from atelier.eval.runner import EvalConfig, run_eval
 from atelier.eval.tasks import load_tasks
 from atelier.harness.trajectory import Trajectory
+from tests.helpers import wait_until
 
 
 def config(env_cache: str, **kw) -> EvalConfig:
@@ -141,11 +141,8 @@ def test_a_killed_cli_run_resumes(suite: Path, tmp_path: Path, env_cache: str,
                             env={**os.environ, "ATELIER_CACHE": str(cache_root)},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     results = out / "results.jsonl"
-    deadline = time.monotonic() + 240  # tells a hang from a slow machine; not a timing check
-    while not (results.is_file() and results.read_text().count("\n") >= 1):
-        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-        assert time.monotonic() < deadline, "no attempt finished"
-        time.sleep(0.05)
+    assert wait_until(lambda: results.is_file() and results.read_text().count("\n") >= 1, 240, interval=0.05,
+                      process=proc), "no attempt finished"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     proc.stderr.close()
@@ -201,7 +198,8 @@ def test_bad_inputs_are_typed_errors(tmp_path: Path, suite: Path, capsys) -> Non
     assert "not found" in fails("eval", "--model", "scripted:gold", "--tasks", str(tmp_path / "nope"), "--run-dir", out)
     err = fails("eval", "--model", "no-such-model", "--tasks", str(suite), "--run-dir", out)
     assert "error:" in err and "hint:" in err
-    assert "unknown scripted model" in fails("eval", "--model", "scripted:nope", "--tasks", str(suite), "--run-dir", out)
+    assert "unknown scripted model" in fails("eval", "--model", "scripted:nope", "--tasks", str(suite),
+                                             "--run-dir", out)
     assert "split 'test'" in fails("eval", "--model", "scripted:gold", "--tasks", str(suite),
                                 "--split", "test", "--run-dir", out)
     assert "run directory not found" in fails("report", str(tmp_path / "missing"), "--out", str(tmp_path / "r.html"))

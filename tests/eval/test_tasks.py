@@ -10,8 +10,7 @@ import pytest
 from atelier.eval.records import EvalError
 from atelier.eval.tasks import load_tasks
 from atelier.tasks.schema import TaskError
-
-from eval_helpers import build_suite
+from tests.helpers import build_suite
 
 
 def test_a_task_a_suite_and_a_split_directory(tmp_path: Path) -> None:

@@ -13,7 +13,8 @@ def _grade(reward: float, *, infra: bool = False, error: str | None = None) -> G
 
 
 def test_a_graded_episode_is_the_policys_even_when_it_scores_zero() -> None:
-    episode = GradedEpisode(Trajectory(task_id="t", exit_reason="submitted"), _grade(0.0, error="patch does not apply"), 1.0)
+    episode = GradedEpisode(Trajectory(task_id="t", exit_reason="submitted"), _grade(0.0, error="patch does not apply"),
+                            1.0)
     assert episode.infra_error is None and episode.error_type is None
     assert target_fractions(episode.grade) == {"fail_to_pass": 0.5, "pass_to_pass": 1.0}
 

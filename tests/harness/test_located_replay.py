@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 from atelier.harness.parsing import parse_tool_calls
-from atelier.harness.replay import (changed_lines, definition_line, located_script, parse_patch, prompt_target,
-                                    replay_script, trim_edit)
+from atelier.harness.replay import (
+    changed_lines,
+    definition_line,
+    located_script,
+    parse_patch,
+    prompt_target,
+    replay_script,
+    trim_edit,
+)
 
 SOURCE = "".join(f"# line {i}\n" for i in range(1, 6)) + """\
 class Box:
@@ -82,6 +89,7 @@ def test_trim_edit_keeps_the_same_change_and_uniqueness() -> None:
     old, new = "        if x < hi:\n", "        if x > hi:\n"
     assert trim_edit(SOURCE, old, new) == ("if x < hi:", "if x > hi:")
     # Not unique once trimmed ("return x" is also the function's last line): kept as given.
-    assert trim_edit(SOURCE, "        return x\n", "        return -x\n") == ("        return x\n", "        return -x\n")
+    assert trim_edit(SOURCE, "        return x\n", "        return -x\n") == ("        return x\n",
+                                                                           "        return -x\n")
     # Trimming that would change what the edit makes (the indentation differs): kept as given.
     assert trim_edit(SOURCE, "        if x < hi:\n", "    if x < hi:\n") == ("        if x < hi:\n", "    if x < hi:\n")

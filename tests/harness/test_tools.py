@@ -88,8 +88,9 @@ def test_grep_gives_file_line_and_caps(call, ctx):
 
 def test_grep_for_a_dotted_name_finds_its_last_part(call):
     out = call("grep", pattern=r"def Calc\.add\b", include="*.py").output
-    assert out.splitlines() == ["no matches for 'def Calc\\\\.add\\\\b'; Python defines a dotted name (a method, a nested "
-                                "function) under its last part, and 'def add\\\\b' matches:", "pkg/calc.py:4:def add(a, b):"]
+    assert out.splitlines() == ["no matches for 'def Calc\\\\.add\\\\b'; Python defines a dotted name (a method, "
+                                "a nested function) under its last part, and 'def add\\\\b' matches:",
+                                "pkg/calc.py:4:def add(a, b):"]
     assert call("grep", pattern="def Calc.zebra").output == "no matches for 'def Calc.zebra' in ."
     assert last_part_pattern(r"\bcache.CacheMemory.expire\(") == r"\bexpire\("
     assert last_part_pattern(r"\nlog.error") is None and last_part_pattern("zebra") is None

@@ -10,8 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from atelier.inference.attention import (MAX_GROUPS, SHORT, decode_attention, decode_attention_eager,
-                                         length_groups)
+from atelier.inference.attention import MAX_GROUPS, SHORT, decode_attention, decode_attention_eager, length_groups
 from atelier.inference.engine import LocalEngine
 from atelier.inference.forward import MAX_RUNS, BatchedForward, PackedLinear, can_pack, runs
 from atelier.inference.prefix_cache import BlockPool

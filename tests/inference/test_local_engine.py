@@ -304,22 +304,15 @@ def test_batch_invariant_requests_are_bitwise_their_solo_selves(spiky_model_dir,
     while others of the same prompt (which would share its prefix-cache blocks) run beside it."""
     with LocalEngine(spiky_model_dir, dtype=dtype, max_batch=8, batch_invariant=True) as engine:
         prompt = engine.tokenizer.encode(" ".join(TEXTS) * 2)   # over one KV block: cacheable
-        params = [SamplingParams(max_tokens=8 + 3 * i, temperature=1.0, seed=i, stop_token_ids=NO_STOP)
+        params = [SamplingParams(max_tokens=40 + 3 * i, temperature=1.0, seed=i, stop_token_ids=NO_STOP)
                   for i in range(6)]
         solo = [engine.generate(prompt, p) for p in params]
-        results: list[Generation | None] = [None] * 6
-        barrier = threading.Barrier(6)
-
-        def worker(i: int) -> None:
-            barrier.wait()
-            time.sleep(0.01 * i)   # arrive at different steps: later ones would hit the cache
-            results[i] = engine.generate(prompt, params[i])
-
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
+        handles = []
+        for p in params:   # each arrives while the ones before it decode: later ones would hit the cache
+            started = threading.Event()
+            handles.append(engine.submit(prompt, p, on_token=lambda *_, e=started: e.set()))
+            assert started.wait(timeout=120)
+        results = [h.result(timeout=120) for h in handles]
         assert [(r.token_ids, r.logprobs) for r in results] == [(g.token_ids, g.logprobs) for g in solo]
         assert engine.stats["max_batch_seen"] > 1 and engine.stats["prefix_hit_tokens"] == 0
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from atelier.errors import AtelierError
-from atelier.inference.models import (COMPLETE_MARKER, ModelNotFound, known_model_dir, open_model,
-                                      resolve_model)
+from atelier.inference.models import COMPLETE_MARKER, ModelNotFound, known_model_dir, open_model, resolve_model
 
 
 @pytest.fixture(autouse=True)

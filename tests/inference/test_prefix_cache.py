@@ -122,7 +122,8 @@ def _perturbed(engine: LocalEngine) -> dict[str, torch.Tensor]:
 
 
 def test_weight_update_drops_the_cache(spiky_model_dir):
-    with LocalEngine(spiky_model_dir, dtype="float32") as cached, LocalEngine(spiky_model_dir, dtype="float32", prefix_cache_tokens=0) as ref:
+    with LocalEngine(spiky_model_dir, dtype="float32") as cached, \
+            LocalEngine(spiky_model_dir, dtype="float32", prefix_cache_tokens=0) as ref:
         prompt = chat(cached.tokenizer, TASKS[3])
         before = cached.generate(prompt, greedy(16))
         assert cached.prefix_cache.tokens > 0

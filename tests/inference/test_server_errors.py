@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import pytest
 
 from atelier.inference.types import SamplingParams
+from tests.helpers import wait_until
 from tests.inference.conftest import serving
 
 openai = pytest.importorskip("openai")
@@ -119,13 +119,6 @@ def _hold_scheduler(engine):
     return release, handle
 
 
-def _wait_until(predicate, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
-
-
 def test_a_full_queue_answers_503_with_retry_after(served):
     engine, url = served
     release, held = _hold_scheduler(engine)
@@ -157,11 +150,11 @@ def test_a_client_that_disconnects_cancels_its_request_and_frees_its_blocks(serv
                 with pytest.raises(httpx.ReadTimeout):
                     client.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
         # The server noticed and flagged the request before the engine ran one more step.
-        _wait_until(lambda: any(r.cancelled for r in engine._waiting + engine._active))
+        assert wait_until(lambda: any(r.cancelled for r in engine._waiting + engine._active))
     finally:
         release.set()
     held.result(timeout=60)
-    _wait_until(lambda: engine.stats["cancelled"] == cancelled + 1 and engine.pool.used == 0)
+    assert wait_until(lambda: engine.stats["cancelled"] == cancelled + 1 and engine.pool.used == 0)
     assert engine.stats["steps"] < 2000  # it never ran to its 3000 tokens
 
 

@@ -23,9 +23,7 @@ import pytest
 import torch
 
 from atelier.inference.types import SamplingParams
-from atelier.inference.vllm_engine import (EngineUnavailable, VLLMEngineError, _Fence, fused_group,
-                                           whole_groups)
-
+from atelier.inference.vllm_engine import EngineUnavailable, VLLMEngineError, _Fence, fused_group, whole_groups
 from tests.conftest import VLLM_TEST_CHUNK as CHUNK
 
 # The first test to use the session's server waits for it to start: minutes on a loaded machine
@@ -403,8 +401,8 @@ def test_a_run_reattaching_by_url_serves_its_own_weights(vllm_engine, vllm_model
     model as the run's version before any rollout."""
     from atelier.config import load_config
     from atelier.inference.engine import LocalEngine
+    from atelier.rl.backends import open_rollout_engine
     from atelier.rl.config import TrainConfig
-    from atelier.rl.run import open_rollout_engine
 
     prompt = prompts(vllm_engine.tokenizer)[0]
     other = perturbed(hf_model, seed=5, scale=0.1)

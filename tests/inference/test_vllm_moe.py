@@ -13,7 +13,6 @@ import pytest
 from atelier.inference.types import SamplingParams
 
 
-
 def _greedy_pairs(ref, vllm, prompts):
     params = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(0,))
     return [(ref.generate(p, params), vllm.generate(p, params)) for p in prompts]

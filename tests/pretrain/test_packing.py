@@ -67,7 +67,8 @@ def test_dedup_and_heldout_split_by_repository(tmp_path, code_root) -> None:
 
 def test_jsonl_source_and_bad_lines(tmp_path) -> None:
     good = tmp_path / "a.jsonl"
-    good.write_text(json.dumps({"text": "x = 1\n", "repo": "r1"}) + "\n\n" + json.dumps({"text": "y", "repo": "r2"}) + "\n")
+    good.write_text(json.dumps({"text": "x = 1\n", "repo": "r1"}) + "\n\n"
+                    + json.dumps({"text": "y", "repo": "r2"}) + "\n")
     docs, _ = list_documents(DataConfig(sources=[SourceConfig(name="j", kind="jsonl", path=str(good),
                                                               repo_field="repo")], heldout_fraction=0.5))
     assert [d.repo for d in docs] == ["j/r1", "j/r2"]

@@ -47,7 +47,7 @@ def _sft_dir(tmp_path: Path, tokenizer) -> Path:
     for i, reward in enumerate([1.0, 0.0, 1.0]):
         seg = Segment()
         seg.extend_prompt(tokenizer("<|im_start|>user\nfix it<|im_end|>\n<|im_start|>assistant\n")["input_ids"])
-        ids = tokenizer(f'<tool_call>\n{{"name": "submit", "arguments": {{}}}}\n</tool_call><|im_end|>')["input_ids"]
+        ids = tokenizer('<tool_call>\n{"name": "submit", "arguments": {}}\n</tool_call><|im_end|>')["input_ids"]
         seg.extend_sampled(ids, [0.0] * len(ids), [0] * len(ids))
         Trajectory(task_id=f"t{i}", segments=[seg], reward=reward).save(out / f"t{i}.json")
     return out
@@ -121,16 +121,21 @@ def test_bad_recipes_give_typed_errors(tmp_path, tiny_model_dir) -> None:
 def test_pretrain_cli_end_to_end(tmp_path, tiny_model_dir) -> None:
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "pretrain-tiny.toml"
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "atelier.cli.main", "pretrain", str(recipe), "--set", f"model={tiny_model_dir}",
-         "--set", "evals.max_repo_tokens=300", "--set", "evals.max_new_tokens=8", "--run-dir", str(run_dir), "--json"],
-        capture_output=True, text=True, timeout=800)
+    argv = [sys.executable, "-m", "atelier.cli.main", "pretrain", str(recipe), "--set", f"model={tiny_model_dir}",
+            "--set", "evals.max_repo_tokens=300", "--set", "evals.max_new_tokens=8", "--run-dir", str(run_dir),
+            "--json"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=800)
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["final_model"] == str(run_dir / "final") and not summary["stopped"]
     assert summary["evals"]["perplexity"]["tokens"] > 0
     for name in ("loss.png", "evals.png", "evals.json", "metrics.jsonl", "config.toml"):
         assert (run_dir / name).stat().st_size > 0, name
+    written = (run_dir / "final" / "model.safetensors").stat().st_mtime_ns
+    same = subprocess.run(argv, capture_output=True, text=True, timeout=300)   # the run is finished: nothing runs
+    assert same.returncode == 0, same.stderr[-2000:]
+    assert json.loads(same.stdout.strip().splitlines()[-1])["evals"] == summary["evals"]
+    assert (run_dir / "final" / "model.safetensors").stat().st_mtime_ns == written
     again = subprocess.run([sys.executable, "-m", "atelier.cli.main", "pretrain", str(recipe), "--set",
                             f"model={tiny_model_dir}", "--run-dir", str(run_dir)],
                            capture_output=True, text=True, timeout=300)

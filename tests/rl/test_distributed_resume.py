@@ -8,13 +8,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
 
 from atelier.rl.ledger import Ledger
+from tests.helpers import wait_until
 
 ROOT = Path(__file__).parents[2]
 STEPS, GROUPS, SIZE = 3, 2, 2
@@ -48,11 +48,8 @@ def _rank_pid(launcher: int, rank: int) -> int:
 def test_kill_9_of_one_rank_stops_the_job_then_resume_trains_every_sample_once(tmp_path, victim):
     run = tmp_path / "run"
     proc = _train(str(ROOT / "recipes" / "rl-tiny.toml"), "--run-dir", str(run))
-    deadline = time.monotonic() + 400   # tells a hang from progress; no timing is asserted
-    while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().strip()):
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "no step was ever trained"
-        time.sleep(0.05)
+    assert wait_until(lambda: (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().strip(),
+                      400, interval=0.05, process=proc), "no step was ever trained"
     os.kill(_rank_pid(proc.pid, victim), signal.SIGKILL)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 2, (out, err)

@@ -13,7 +13,6 @@ from atelier.cli.main import app
 from atelier.config import load_config
 from atelier.rl.config import EnvConfig, PythonEnvConfig, RolloutConfig, TrainConfig
 from atelier.rl.env import EnvironmentFactoryError, ToyEnvironment, load_factory, make_environment
-from atelier.rl.run import run_training
 from atelier.rl.shaping import ShapingConfig
 
 # A user's environment: the toy task, wrapped, with the task count from the recipe's args.

@@ -7,11 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
 from atelier.rl.ledger import Ledger
+from tests.helpers import wait_until
 
 STEPS, GROUPS, SIZE = 4, 2, 2
 ARGS = [f"trainer.steps={STEPS}", f"rollout.groups_per_step={GROUPS}", f"rollout.group_size={SIZE}",
@@ -28,23 +28,13 @@ def _train(*extra: str) -> subprocess.Popen:
 
 
 def _wait_for_steps(proc: subprocess.Popen, metrics: Path, n: int, limit: float = 240.0) -> None:
-    deadline = time.monotonic() + limit   # only tells a hang from progress; no timing is asserted
-    while time.monotonic() < deadline:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
-            return
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
-    raise AssertionError("the training process made no progress")
+    assert wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= n, limit,
+                      interval=0.05, process=proc), "the training process made no progress"
 
 
 def _wait_for_running(proc: subprocess.Popen, ledger: Path, limit: float = 240.0) -> None:
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        if any(s.state == "running" for s in Ledger.load(ledger).slots.values()):
-            return
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.02)
-    raise AssertionError("no rollout was ever running")
+    assert wait_until(lambda: any(s.state == "running" for s in Ledger.load(ledger).slots.values()), limit,
+                      process=proc), "no rollout was ever running"
 
 
 def test_kill_9_then_resume_trains_every_sample_exactly_once(tmp_path):

@@ -12,11 +12,11 @@ from atelier.cli import main as cli
 from atelier.errors import AtelierError
 from atelier.inference.engine import LocalEngine
 from atelier.inference.types import SamplingParams
-from atelier.rl.advantages import final_advantages, trained_samples, weighted_advantage
-from atelier.rl.metrics import sample_metrics, staleness_counts
-from atelier.rl.config import TrainerConfig
-from atelier.rl.sample import Sample
 from atelier.rl import trainer as trainer_module
+from atelier.rl.advantages import final_advantages, trained_samples, weighted_advantage
+from atelier.rl.config import TrainerConfig
+from atelier.rl.metrics import sample_metrics, staleness_counts
+from atelier.rl.sample import Sample
 from atelier.rl.trainer import Trainer
 from atelier.train.head import token_logprobs
 
@@ -52,7 +52,8 @@ def test_train_cli_user_errors(tmp_path):
     bad = tmp_path / "r.toml"
     bad.write_text("[rollout]\ngroup_sise = 4\n")
     result = runner.invoke(cli.app, ["train", str(bad)])
-    assert isinstance(result.exception, AtelierError) and "group_size" in str(result.exception)   # the typo is named with a suggestion
+    # the typo is named with a suggestion
+    assert isinstance(result.exception, AtelierError) and "group_size" in str(result.exception)
 
 
 def test_asking_for_a_logger_that_is_not_installed_is_a_user_error(tmp_path, monkeypatch):

@@ -20,7 +20,6 @@ from atelier.inference.vllm_server import VLLMConfig, VLLMUnavailable, _group_me
 from atelier.rl.config import TrainConfig
 from atelier.rl.ledger import Ledger
 from atelier.rl.run import run_training
-
 from tests.rl.test_resume import _wait_for_running, _wait_for_steps, assert_trained_exactly_once
 
 VLLM = ["inference.engine=vllm", "inference.vllm.enforce_eager=true", "inference.vllm.chunk_tokens=8",
@@ -43,6 +42,12 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def _server_pid(run: Path) -> int:
+    """The pid of the run's vLLM server: the first line of its pid file (the second names its
+    socket directory)."""
+    return int((run / "vllm" / "vllm-server.pid").read_text().split()[0])
 
 
 def _vllm_servers_of(run: Path) -> set[int]:
@@ -70,7 +75,7 @@ def test_tiny_model_learns_on_vllm_and_survives_kill_9_of_the_server(tmp_path):
 
     def on_step(record):
         if record["step"] == 4:
-            pid = int((run_dir / "vllm" / "vllm-server.pid").read_text())
+            pid = _server_pid(run_dir)
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
 
@@ -79,7 +84,7 @@ def test_tiny_model_learns_on_vllm_and_survives_kill_9_of_the_server(tmp_path):
     rewards = [m["reward_mean"] for m in summary.metrics]
     assert summary.steps == 14 and len(rewards) == 14
     assert sum(rewards[-3:]) / 3 > sum(rewards[:2]) / 2 + 0.15, rewards  # chance level is ~0.25
-    assert int((run_dir / "vllm" / "vllm-server.pid").read_text()) != killed[0]  # a new server ran the rest
+    assert _server_pid(run_dir) != killed[0]  # a new server ran the rest
     ledger = Ledger.load(run_dir / "ledger.jsonl")
     counts = ledger.counts()
     assert counts["trained"] == 14 * 2 * 8 and counts["dropped"] == 0
@@ -121,7 +126,7 @@ def test_tiny_recipe_on_vllm_resumes_after_kill_9_of_the_trainer(tmp_path):
     proc = _train(str(recipe), "--run-dir", str(run))
     _wait_for_steps(proc, run / "metrics.jsonl", 1, limit=1500)  # the server's start comes first
     _wait_for_running(proc, run / "ledger.jsonl", limit=600)
-    server = int((run / "vllm" / "vllm-server.pid").read_text())
+    server = _server_pid(run)
     assert _alive(server)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -136,7 +141,7 @@ def test_tiny_recipe_on_vllm_resumes_after_kill_9_of_the_trainer(tmp_path):
     resumed = _train(str(recipe), "--run-dir", str(run))
     out, err = resumed.communicate(timeout=1800)
     assert resumed.returncode == 0, err[-3000:]
-    assert int((run / "vllm" / "vllm-server.pid").read_text()) != server  # a new server ran the rest
+    assert _server_pid(run) != server  # a new server ran the rest
     assert_trained_exactly_once(run, STEPS, GROUPS, SIZE, in_flight)
     last = run / "checkpoints" / f"step-{STEPS:06d}" / "model" / "config.json"
     assert last.exists()
@@ -149,7 +154,7 @@ def test_tiny_recipe_on_vllm_resumes_after_kill_9_of_the_trainer(tmp_path):
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.timeout(2400)  # Ray's actors and a vLLM server start inside the inference actor
-def test_ray_launcher_samples_on_a_vllm_server_in_its_inference_actor(ray_instance, tmp_path):
+def test_ray_backend_samples_on_a_vllm_server_in_its_inference_actor(ray_instance, tmp_path):
     """launcher=ray with inference.engine=vllm: the inference actor starts (and owns) one vLLM server;
     weights reach it through the delta chain, and later groups sample at the new version."""
     _need_vllm()

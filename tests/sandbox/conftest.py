@@ -5,16 +5,16 @@ tree's exact state) so that tests can check on the host what happened."""
 from __future__ import annotations
 
 import hashlib
-import shutil
 import os
+import shutil
 import stat
-import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import pytest
 
 from atelier.sandbox.base import SandboxConfig
+from tests.helpers import wait_until
 
 HostProc = tuple[int, int]
 """A host process as (pid, start time in clock ticks): a pid alone may be reused."""
@@ -214,16 +214,6 @@ def alive(procs: set[HostProc]) -> set[HostProc]:
         if state not in ("Z", "X"):
             out.add((pid, start))
     return out
-
-
-def wait_until(pred: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while True:
-        if pred():
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
 
 
 class Host:

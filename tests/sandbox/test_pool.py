@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from atelier.sandbox.pressure import (
     parse_psi_some_avg10,
     read_cpu_pressure,
 )
+from tests.helpers import wait_until
 
 MEMINFO = """MemTotal:       24683008 kB
 MemFree:        23275252 kB
@@ -69,17 +69,10 @@ def snapshot(hello_repo: Path) -> Path:
     return hello_repo
 
 
-def wait_for(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
-
-
 def test_bounded_concurrency(snapshot: Path) -> None:
     with SandboxPool(CONFIG, max_live=2, **CALM) as pool:
         a = pool.acquire(snapshot)
-        b = pool.acquire(snapshot)
+        pool.acquire(snapshot)
         assert a.exec("cat hello.txt").stdout == "hello\n"
         with pytest.raises(PoolExhausted, match="all 2 sandboxes") as info:
             pool.acquire(snapshot, timeout=0.3)
@@ -88,7 +81,7 @@ def test_bounded_concurrency(snapshot: Path) -> None:
         got = []
         waiter = threading.Thread(target=lambda: got.append(pool.acquire(snapshot, timeout=10)))
         waiter.start()
-        wait_for(lambda: pool.stats()["waiting"] == 1)   # it is blocked inside acquire...
+        assert wait_until(lambda: pool.stats()["waiting"] == 1)   # it is blocked inside acquire...
         assert not got                                  # ...and has nothing while the pool is full
         pool.release(a)
         waiter.join(10)
@@ -123,14 +116,14 @@ def test_live_never_exceeds_max_live_under_contention(snapshot: Path) -> None:
 def test_warm_hits_and_latency(snapshot: Path) -> None:
     with SandboxPool(CONFIG, max_live=4, warm=1, **CALM) as pool:
         pool.release(pool.acquire(snapshot))  # a miss; declares the snapshot
-        wait_for(lambda: pool.stats()["warm"] == 1)
+        assert wait_until(lambda: pool.stats()["warm"] == 1)
         sb = pool.acquire(snapshot)
         assert sb.exec("cat hello.txt").ok
         stats = pool.stats()
         # A hit starts no process: two creations, the miss and the spare.
         assert stats["warm_hits"] == 1 and stats["created"] == 2 and stats["failed"] == 0
         assert stats["create_p50_ms"] > 0 and stats["create_p99_ms"] >= stats["create_p50_ms"]
-        wait_for(lambda: pool.stats()["warm"] == 1)  # refilled
+        assert wait_until(lambda: pool.stats()["warm"] == 1)  # refilled
 
 
 def test_prewarm_and_eviction(snapshot: Path, tmp_path: Path) -> None:
@@ -138,7 +131,7 @@ def test_prewarm_and_eviction(snapshot: Path, tmp_path: Path) -> None:
     other.mkdir()
     with SandboxPool(CONFIG, max_live=2, **CALM) as pool:
         pool.prewarm(snapshot, 2)
-        wait_for(lambda: pool.stats()["warm"] == 2)
+        assert wait_until(lambda: pool.stats()["warm"] == 2)
         # The pool is full of spares: acquiring another snapshot closes one.
         sb = pool.acquire(other, timeout=5)
         assert sb.snapshot == other.resolve()
@@ -181,13 +174,13 @@ def test_close_reaps_everything(snapshot: Path, host) -> None:
     pool = SandboxPool(CONFIG, max_live=3, warm=1, **CALM)
     live = [pool.acquire(snapshot), pool.acquire(snapshot)]
     live[0].exec("sleep 300 >/dev/null 2>&1 &")
-    wait_for(lambda: pool.stats()["warm"] == 1)
+    assert wait_until(lambda: pool.stats()["warm"] == 1)
     assert host.snapshot_processes(snapshot)
     pool.close()
     assert all(sb.closed for sb in live)
     stats = pool.stats()
     assert stats["live"] == 0 and stats["warm"] == 0 and stats["creating"] == 0
-    wait_for(lambda: not host.snapshot_processes(snapshot), timeout=5)
+    assert wait_until(lambda: not host.snapshot_processes(snapshot), timeout=5)
     with pytest.raises(SandboxClosed):
         pool.acquire(snapshot)
 
@@ -205,8 +198,8 @@ def test_close_wakes_a_blocked_acquire(snapshot: Path, host) -> None:
 
     waiter = threading.Thread(target=acquire_blocked)
     waiter.start()
-    wait_for(lambda: pool.stats()["waiting"] == 1)
+    assert wait_until(lambda: pool.stats()["waiting"] == 1)
     pool.close()
     waiter.join(10)
     assert len(errors) == 1 and not waiter.is_alive()
-    wait_for(lambda: not host.snapshot_processes(snapshot), timeout=5)
+    assert wait_until(lambda: not host.snapshot_processes(snapshot), timeout=5)

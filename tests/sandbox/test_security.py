@@ -8,7 +8,6 @@ import os
 import socket
 import subprocess
 import threading
-import time
 import uuid
 from pathlib import Path
 

@@ -10,7 +10,6 @@ from typing import Callable
 
 import pytest
 
-
 OPS = "def add(a, b):\n    return a - b\n\n\ndef sub(a, b):\n    return a - b\n"
 OPS_FIXED = OPS.replace("return a - b", "return a + b", 1)
 

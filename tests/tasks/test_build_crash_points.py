@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from test_suite import MUT, SPEC, V1, V2, V3, write_tree
 
 POINTS = ["tasks_build.after_task:1", "tasks_build.after_state:1", "tasks_build.after_task:2",

@@ -11,10 +11,16 @@ import pytest
 
 from atelier.cli import main as cli
 from atelier.tasks import TaskError, load_task
-from atelier.tasks.harbor import (NODE, dockerfile_needs, dockerfile_workdir, import_dir,
-                                  rewrite_paths)
-from atelier.tasks.swebench import (import_file, import_instance, mirror_path, parse_instance,
-                                    parse_test_ids, patch_files, read_instances)
+from atelier.tasks.harbor import NODE, dockerfile_needs, dockerfile_workdir, import_dir, rewrite_paths
+from atelier.tasks.swebench import (
+    import_file,
+    import_instance,
+    mirror_path,
+    parse_instance,
+    parse_test_ids,
+    patch_files,
+    read_instances,
+)
 
 
 def raw_instance(h, **over) -> tuple[dict, str]:

@@ -32,6 +32,7 @@ from atelier.tasks.mutation_tasks import (
     run_pytest_local,
     source_files,
 )
+from tests.helpers import SHAPES, write_tree
 
 
 def _src(text: str) -> str:
@@ -283,66 +284,10 @@ def test_source_files_skip_tests_and_tooling(tmp_path: Path) -> None:
 
 # --- the builder --------------------------------------------------------------------
 
-TINY = {
-    "shapes/__init__.py": "",
-    "shapes/calc.py": '''
-        def add(a, b):
-            return a + b
-
-
-        def clamp(x, lo, hi):
-            """Keep x within [lo, hi]."""
-            if x < lo:
-                return lo
-            if x > hi:
-                return hi
-            return x
-    ''',
-    "shapes/seq.py": '''
-        def window(xs, n):
-            return [xs[i:i + n] for i in range(len(xs) - n + 1)]
-
-
-        def both_positive(a, b):
-            return a > 0 and b > 0
-    ''',
-    "tests/test_calc.py": '''
-        from shapes.calc import add, clamp
-
-
-        def test_add():
-            assert add(2, 3) == 5
-            assert add(-1, 1) == 0
-
-
-        def test_clamp():
-            assert clamp(5, 0, 10) == 5
-            assert clamp(-5, 0, 10) == 0
-            assert clamp(50, 0, 10) == 10
-            assert clamp(0, 0, 10) == 0 and clamp(10, 0, 10) == 10
-    ''',
-    "tests/test_seq.py": '''
-        from shapes.seq import both_positive, window
-
-
-        def test_window():
-            assert window([1, 2, 3, 4], 2) == [[1, 2], [2, 3], [3, 4]]
-            assert window([1, 2, 3], 3) == [[1, 2, 3]]
-
-
-        def test_both_positive():
-            assert both_positive(1, 2)
-            assert not both_positive(1, -2)
-            assert not both_positive(-1, 2)
-    ''',
-}
 
 
 def _write_repo(root: Path) -> Path:
-    for rel, text in TINY.items():
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_text(_src(text))
-    return root
+    return write_tree(root, SHAPES)
 
 
 def _git_apply(task_dir: Path, dest: Path) -> Path:

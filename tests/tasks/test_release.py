@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from atelier.tasks import load_task
-from atelier.tasks.release import (build_release_task, changelog_entry, is_test_path,
-                                   runtime_requirements, split_tests)
+from atelier.tasks.release import build_release_task, changelog_entry, is_test_path, runtime_requirements, split_tests
 
 # --- changelog_entry -------------------------------------------------------------
 

@@ -8,7 +8,6 @@ building real entries from PyPI is `slow`."""
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from atelier.tasks import load_suite
 from atelier.tasks.schema import TaskError
 from atelier.tasks.suite import SuiteError, known_suites, load_spec, resolve_spec
 from atelier.tasks.suite_build import build_suite, plan, planned_units
+from tests.helpers import SHAPES, write_tree
 
 V1 = {
     "pyproject.toml": '[project]\nname = "tinyfmt"\nversion = "1.0.0"\n',
@@ -37,41 +37,8 @@ V3 = {**V2, "pyproject.toml": '[project]\nname = "tinyfmt"\nversion = "1.2.0"\n'
       "tinyfmt/__init__.py": V2["tinyfmt/__init__.py"] + "\n\ndef quiet(s):\n    return s.lower()\n"}
 """1.1.0 → 1.2.0 has no changelog entry: dropped, with that reason."""
 
-MUT = {
-    "shapes/__init__.py": "",
-    "shapes/calc.py": """
-        def add(a, b):
-            return a + b
-
-
-        def clamp(x, lo, hi):
-            if x < lo:
-                return lo
-            if x > hi:
-                return hi
-            return x
-    """,
-    "tests/test_calc.py": """
-        from shapes.calc import add, clamp
-
-
-        def test_add():
-            assert add(2, 3) == 5
-
-
-        def test_clamp():
-            assert clamp(5, 0, 10) == 5
-            assert clamp(-5, 0, 10) == 0
-            assert clamp(50, 0, 10) == 10
-    """,
-}
-
-
-def write_tree(root: Path, files: dict[str, str]) -> Path:
-    for rel, text in files.items():
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_text(textwrap.dedent(text).lstrip("\n"))
-    return root
+MUT = SHAPES
+"""The repository a suite's mutation entry builds from (path = "shapes")."""
 
 
 SPEC = """
@@ -244,7 +211,7 @@ def test_a_validation_drop_keeps_its_grade_flags_in_the_report_and_on_resume(
     like a bad candidate; the report must say it was `tampered`, or a false
     positive of the grader would hide as a drop. A grader that calls the
     first candidate tampered (and passes the rest without running them)."""
-    from atelier.tasks import suite_build, validate
+    from atelier.tasks import suite_build
     from atelier.tasks.validate import RunOutcome, TaskCheck
 
     monkeypatch.setenv("ATELIER_CACHE", str(env_cache.parent))
@@ -258,7 +225,7 @@ def test_a_validation_drop_keeps_its_grade_flags_in_the_report_and_on_resume(
                                                   canaries_ok=False),) * runs)
         return TaskCheck(task.id, (RunOutcome(1.0, canaries_ok=True),) * runs, RunOutcome(0.0))
 
-    monkeypatch.setattr(validate, "check_task", check_task)
+    monkeypatch.setattr(suite_build, "check_task", check_task)
     spec, out = load_spec(spec_file), tmp_path / "out"
     build_suite(spec, out, only="mutation")
     report = json.loads((out / "build-report.json").read_text())
@@ -273,7 +240,7 @@ def test_a_validation_drop_keeps_its_grade_flags_in_the_report_and_on_resume(
     assert lines[0].startswith(f"dropped {seen[0]}: ") and "gold graded TAMPERED" in lines[0]
 
     # Resumed: nothing is validated again, and the drop is still reported with its flags.
-    monkeypatch.setattr(validate, "check_task", lambda *a, **kw: pytest.fail("validated again"))
+    monkeypatch.setattr(suite_build, "check_task", lambda *a, **kw: pytest.fail("validated again"))
     again = build_suite(spec, out, only="mutation").to_json()
     assert again["kept"] == 1 and again["entries"][0]["dropped"] == [drop]
 

@@ -134,7 +134,8 @@ _fake.__dict__.update(vars(_pytest))
 _fake.fail = lambda *a, **k: None
 _sys.modules["pytest"] = _fake
 """,
-    "skip_from_package": "\nimport pytest as _pytest\n_pytest.skip('needs a newer platform', allow_module_level=True)\n",
+    "skip_from_package": ("\nimport pytest as _pytest\n"
+                          "_pytest.skip('needs a newer platform', allow_module_level=True)\n"),
     "deselect_from_package": FIND_CONFIG + """
 
 class _Select:

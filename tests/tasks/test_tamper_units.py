@@ -11,8 +11,7 @@ from atelier.eval.records import EvalRecord
 from atelier.rl.shaping import ShapingConfig, shape_reward, shape_trajectory
 from atelier.tasks.grade import score
 from atelier.tasks.screen import screen_patch
-from atelier.tasks.tamper import (
-    TAMPERED, is_tampered, make_canaries, phase_status, read_stream, verdict)
+from atelier.tasks.tamper import TAMPERED, is_tampered, make_canaries, phase_status, read_stream, verdict
 
 NONCE = "ab" * 16
 CANARIES = make_canaries(["tests/test_x.py"], "0123456789abcdef" * 2)

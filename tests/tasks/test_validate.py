@@ -12,8 +12,7 @@ import pytest
 from atelier.cli import main as cli
 from atelier.tasks.schema import PythonEnv, TaskLimits, TaskMetadata, TaskSpec
 from atelier.tasks.stats import patch_stats, suite_stats
-from atelier.tasks.validate import (RunOutcome, TaskCheck, check_task, grade_flags, reason, summarize,
-                                    validate)
+from atelier.tasks.validate import RunOutcome, TaskCheck, check_task, grade_flags, reason, summarize, validate
 from atelier.tasks.writer import write_task
 
 OK, BAD = RunOutcome(1.0), RunOutcome(0.0, "1 target test(s) missing")

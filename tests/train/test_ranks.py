@@ -12,7 +12,6 @@ import pytest
 from atelier.train.ranks import LAUNCHER_PID
 from tests.helpers import rank_env, wait_until
 
-
 EXIT_PROBE = """
 import atexit, sys
 from pathlib import Path

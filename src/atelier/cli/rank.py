@@ -75,6 +75,16 @@ def run_rank(kind: str, text: str, run_dir: str, *, quiet: bool = True) -> dict[
     return out.to_dict() if os.environ.get("RANK", "0") == "0" else None
 
 
+def prepare_run_dir(kind: str, config: Any, run_dir: Path) -> bool:
+    """Freeze `config` in `run_dir` the way a `kind` run does, or check it against the run there;
+    True when the run is continued (`atelier.rundir`)."""
+    if kind == "train":
+        from atelier.rl.run import prepare_run_dir as prepare
+    else:
+        from atelier.pretrain.train import prepare_run_dir as prepare
+    return prepare(config, run_dir)
+
+
 def step_line(record: dict[str, Any]) -> dict[str, Any]:
     """The few fields of an RL step's metrics printed one line a step."""
     return {k: record[k] for k in ("step", "reward_mean", "pass_rate", "staleness_max", "gen_tokens_per_s",
@@ -85,6 +95,7 @@ def start_ranks(kind: str, config: Any, run_dir: Path, *, world: int, quiet: boo
                 strategy: str = "SPREAD") -> dict[str, Any] | None:
     """Run `world` ranks of `kind` on `config` (see the module docstring); rank 0's result.
     `strategy`: the Ray placement group's (SPREAD, or STRICT_SPREAD to insist on one node a rank)."""
+    prepare_run_dir(kind, config, Path(run_dir))   # the run directory first: the ranks' logs go into it
     if kind == "train" and config.launcher == "ray":   # rank actors in a placement group, one GPU each on cuda
         from atelier.train.launch_ray import launch_ray
 

@@ -76,8 +76,8 @@ def run(
     typer.echo(done["report"]["path"])
 
 
-def final_table(summary: dict) -> "Table":
-    """Before / after SFT / after RL, the headline test and the run's peak memory."""
+def final_table(summary: dict):
+    """Before / after SFT / after RL, the headline test and the run's peak memory (a rich `Table`)."""
     from rich.table import Table
 
     evals = summary["evaluations"]

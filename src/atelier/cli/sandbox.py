@@ -15,6 +15,7 @@ import typer
 
 from atelier.cli.options import Backend
 
+
 class Network(str, enum.Enum):
     none = "none"
     host = "host"
@@ -50,8 +51,8 @@ def run(
     exit with its exit code. Example: atelier sandbox run -w . -- pytest -q;
     with egress: atelier sandbox run -w . --network proxy --allow pypi.org:443
     --allow files.pythonhosted.org:443 -- pip download requests"""
-    from atelier.sandbox import SandboxConfig, create_sandbox
     from atelier.config import load_config
+    from atelier.sandbox import SandboxConfig, create_sandbox
 
     overrides = [f"timeout_s={timeout}", f"memory_mb={memory_mb}", f"network={network.value}",
                  f"backend={backend.value}"]

@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from atelier.inference.models import DEFAULT_KV_CACHE_TOKENS, DEFAULT_PREFIX_CACHE_TOKENS
+from atelier.inference.types import DEFAULT_KV_CACHE_TOKENS, DEFAULT_PREFIX_CACHE_TOKENS
 
 
 def serve(

@@ -11,7 +11,6 @@ from pathlib import Path
 import typer
 
 from atelier.cli.options import Backend
-
 from atelier.cli.tasks_build import build_app
 from atelier.cli.tasks_import import import_app
 

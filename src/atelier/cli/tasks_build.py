@@ -65,8 +65,7 @@ def build_suite_cmd(
         build = build_suite(spec, out, **kw)
         print(json.dumps(build.to_json()))
     else:
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                   TimeElapsedColumn)
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), transient=False) as bar:

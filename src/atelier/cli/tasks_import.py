@@ -35,9 +35,11 @@ def _report(report: dict, out: Path, as_json: bool) -> None:
 @import_app.command("swebench")
 def swebench_cmd(
     instances: Path = typer.Argument(..., help="SWE-bench instances: a JSON list or JSONL."),
-    repos: Path = typer.Option(..., "--repos", help="Mirror dir: REPOS/<owner>__<name> or REPOS/<owner>/<name> git clones."),
+    repos: Path = typer.Option(..., "--repos", help="Mirror dir: REPOS/<owner>__<name> or REPOS/<owner>/<name> "
+                               "git clones."),
     out: Path = typer.Option(..., "--out", help="Suite directory; one task directory per instance."),
-    env_spec: Optional[Path] = typer.Option(None, "--env-spec", help='TOML: ["owner/repo@version"] requirements = [...] (python = "3.x"); default: what the repository declares.'),
+    env_spec: Optional[Path] = typer.Option(None, "--env-spec", help='TOML: ["owner/repo@version"] requirements '
+                                            '= [...] (python = "3.x"); default: what the repository declares.'),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace tasks that already exist."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object only."),
 ) -> None:
@@ -52,7 +54,8 @@ def swebench_cmd(
 def harbor_cmd(
     path: Path = typer.Argument(..., help="A Harbor task directory (instruction.md …) or a directory of them."),
     out: Path = typer.Option(..., "--out", help="Suite directory; one task directory per task."),
-    backend: Backend = typer.Option(Backend.bwrap, "--backend", help="Sandbox that runs solve.sh: bwrap or local (isolates nothing)."),
+    backend: Backend = typer.Option(Backend.bwrap, "--backend", help="Sandbox that runs solve.sh: bwrap or local "
+                                    "(isolates nothing)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace tasks that already exist."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object only."),
 ) -> None:

@@ -25,7 +25,8 @@ from typing import Any
 from atelier.eval.records import EvalError
 from atelier.harness.parsing import format_call
 from atelier.harness.replay import gold_patch_script, task_replay_script
-from atelier.inference.scripted import ScriptedChatModel, ScriptedModel
+from atelier.inference.models import is_url, open_model
+from atelier.inference.scripted import ScriptedChatModel, ScriptedModel, load_script
 from atelier.tasks.schema import Task
 
 
@@ -85,12 +86,9 @@ def open_eval_model(spec: str, *, api_key: str | None = None, served_model: str 
         raise EvalError(f"unknown scripted model {spec!r}",
                         hint="scripted:gold, scripted:empty, or script:FILE (a JSON list of texts)")
     if spec.startswith("script:"):
-        from atelier.inference.scripted import load_script
-
         path = Path(spec[len("script:"):])
         texts = load_script(path)
         return ScriptedPolicy(f"scripted:{path.stem}", lambda task: texts)
-    from atelier.inference.models import is_url, open_model
 
     if is_url(spec):
         return open_model(spec, api_key=api_key, model=served_model)

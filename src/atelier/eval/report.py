@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from atelier.eval.metrics import EvalMetrics, compute_metrics
-from atelier.eval.records import (META_FILE, RESULTS_FILE, EvalError, EvalRecord, read_json,
-                                  read_records)
+from atelier.eval.records import META_FILE, RESULTS_FILE, EvalError, EvalRecord, read_json, read_records
+from atelier.eval.viewer import VIEWER_JS, viewer_html
+from atelier.harness.trajectory import Trajectory
 
 MAX_TRAJECTORIES = 300
 TRAINING_LOGS = ("metrics.jsonl", "train_metrics.jsonl")
@@ -176,7 +177,8 @@ def _evaluations_table(table_id: str, evals: dict[str, Any], measure: str, headl
         return f"<tr><th>{escape(name)}</th>" + "".join(f"<td>{escape(cell(evals[k]))}</td>" for k, _ in cols) + "</tr>"
 
     rows = [row("attempts (valid)", lambda e: f"{e['attempts']} ({e['valid_attempts']})"),
-            row("pass rate [95% Wilson]", lambda e: _fmt(e["pass_rate"], ".3f") + _interval(e["pass_rate_interval_95"])),
+            row("pass rate [95% Wilson]",
+                lambda e: _fmt(e["pass_rate"], ".3f") + _interval(e["pass_rate_interval_95"])),
             row("best-of-K (tasks solved at least once)", lambda e: _fmt(e["best_of_k"], ".3f")),
             row("mean reward", lambda e: _fmt(e["mean_reward"], ".3f"))]
     if measure != "pass":
@@ -234,10 +236,8 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, *,
                  headline: dict[str, Any] | None = None) -> Path:
     """Write the page for `run_dirs` to `out` and return its path; `headline`
     (an `atelier run` summary) adds its comparison section on top."""
-    # Long on purpose: the page's sections in page order, each made by its own function.
+    # The page's sections in page order, each made by its own function; the plots (matplotlib) load here.
     from atelier.eval import plots
-    from atelier.eval.viewer import VIEWER_JS, viewer_html
-    from atelier.harness.trajectory import Trajectory
 
     if not run_dirs:
         raise EvalError("no run directories given", hint="atelier report RUN_DIR [RUN_DIR ...] --out report.html")

@@ -41,13 +41,25 @@ from atelier.config import AtelierConfig
 from atelier.errors import BugError
 from atelier.eval.metrics import EvalMetrics, compute_metrics
 from atelier.eval.prices import PriceTable, load_prices
-from atelier.eval.records import (META_FILE, SUMMARY_FILE, EvalError, EvalRecord, ResultsWriter,
-                                  read_json, read_records, trajectory_path, write_json)
+from atelier.eval.records import (
+    META_FILE,
+    SUMMARY_FILE,
+    EvalError,
+    EvalRecord,
+    ResultsWriter,
+    read_json,
+    read_records,
+    trajectory_path,
+    write_json,
+)
+from atelier.eval.tasks import load_tasks
 from atelier.failures import FailureLog, backoff_s, is_infra
 from atelier.fsio import crash_point
 from atelier.harness.config import AgentConfig
+from atelier.harness.episode import run_and_grade
 from atelier.harness.trajectory import Trajectory, changed_lines
 from atelier.inference.types import ChatModel, TokenModel
+from atelier.tasks.envs import ensure_env
 from atelier.tasks.schema import Task
 
 Progress = Callable[[int, int, EvalRecord], None]
@@ -113,10 +125,8 @@ def run_eval(model: Policy, tasks: Sequence[Task] | str | Path, out_dir: str | P
              concurrency: int = 1, agent_config: AgentConfig | None = None, *, config: EvalConfig | None = None,
              prices: PriceTable | str | Path | None = None, split: str | None = None,
              progress: Progress | None = None) -> EvalSummary:
-    """Evaluate `model` (a TokenModel, a ChatModel, or a PerTaskModel) on `tasks` (loaded tasks, or a task/suite directory),
-    writing into `out_dir`. `config` wins over `passes` and `concurrency`."""
-    from atelier.eval.tasks import load_tasks
-
+    """Evaluate `model` (a TokenModel, a ChatModel, or a PerTaskModel) on `tasks` (loaded tasks, or a
+    task/suite directory), writing into `out_dir`. `config` wins over `passes` and `concurrency`."""
     config = config or EvalConfig(passes=passes, concurrency=concurrency)
     task_list = load_tasks(tasks, split) if isinstance(tasks, (str, Path)) else list(tasks)
     if not task_list:
@@ -164,8 +174,6 @@ def _build_envs(tasks: list[Task], config: EvalConfig) -> None:
     takes minutes and would count as one attempt's latency. A venv that
     cannot be built is the user's problem to fix (a `TaskError`), not an
     infrastructure error of each attempt."""
-    from atelier.tasks.envs import ensure_env
-
     for task in tasks:
         ensure_env(task, config.env_cache)
 
@@ -206,8 +214,6 @@ def _prepare_run_dir(run_dir: Path, name: str, tasks: list[Task], config: EvalCo
 def run_attempt(model: Policy, task: Task, index: int, run_dir: Path, config: EvalConfig,
                 agent_config: AgentConfig, prices: PriceTable) -> EvalRecord:
     """One task, one pass: `run_and_grade`, then the record. Raises `BugError` for a bug only."""
-    from atelier.harness.episode import run_and_grade
-
     name = model_name(model)
     record = EvalRecord(task_id=task.id, pass_index=index, model=name,
                         trajectory=trajectory_path(task.id, index))

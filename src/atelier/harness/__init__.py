@@ -12,6 +12,8 @@ Modules: `tools` (the registry, `ToolContext`, strict argument checks),
 
 from __future__ import annotations
 
+import importlib
+
 _EXPORTS = {
     "run_episode": "agent", "Event": "agent", "AgentConfig": "config", "SamplingConfig": "config",
     "Trajectory": "trajectory", "Segment": "trajectory", "ToolCallRecord": "trajectory",
@@ -25,7 +27,5 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str):
     if name in _EXPORTS:
-        import importlib
-
         return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
     raise AttributeError(f"module 'atelier.harness' has no attribute {name!r}")

@@ -20,6 +20,7 @@ history changed the tokens that were trained on). `ChatContext` (any
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
@@ -29,7 +30,7 @@ from atelier.harness.errors import FormatError
 from atelier.harness.parsing import Item, ParsedTurn, ToolCall, parse_native_calls, parse_tool_calls
 from atelier.harness.prompt import tool_response
 from atelier.harness.trajectory import Segment, Trajectory
-from atelier.inference.types import SamplingParams
+from atelier.inference.types import SamplingParams, TokenModel
 
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 
@@ -80,8 +81,6 @@ def open_window(model: Any, config: AgentConfig, traj: Trajectory,
                 tools: list[dict[str, Any]] | None) -> ContextWindow:
     """A `TokenContext` for a `TokenModel` (token-exact), else a `ChatContext`
     (`tools`: the OpenAI schemas, passed only with native tool calls)."""
-    from atelier.inference.types import TokenModel
-
     if isinstance(model, TokenModel):
         return TokenContext(model, config, traj)
     return ChatContext(model, config, traj, tools)
@@ -253,8 +252,6 @@ class ChatContext:
         assistant: dict[str, Any] = {"role": "assistant", "content": reply.text}
         native = [c for c in parsed.calls if c.id]
         if native:
-            import json
-
             assistant["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.name, "arguments": json.dumps(c.arguments)}} for c in native]
         self.messages.append(assistant)
@@ -281,4 +278,5 @@ class ChatContext:
         return n
 
 
-__all__ = ["ContextWindow", "TokenContext", "ChatContext", "open_window", "Turn", "Result", "FormatError", "observation_messages"]
+__all__ = ["ContextWindow", "TokenContext", "ChatContext", "open_window", "Turn", "Result", "FormatError",
+           "observation_messages"]

@@ -19,9 +19,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.markup import escape
+from rich.syntax import Syntax
+
+from atelier.config import load_config
 from atelier.errors import AtelierError
 from atelier.harness.agent import Event
 from atelier.harness.config import AgentConfig
+from atelier.harness.episode import run_in_sandbox
+from atelier.inference.config import inference_config
+from atelier.inference.models import is_url, open_model, resolve_model
+from atelier.inference.scripted import ScriptedModel, load_script
+from atelier.inference.tiny import build_tiny_tokenizer
+from atelier.inference.types import owning
+from atelier.sandbox import SandboxConfig
 
 
 class ApplyError(AtelierError):
@@ -31,20 +43,14 @@ class ApplyError(AtelierError):
 def open_agent_model(model: str | None, script: Path | None, api_key: str | None = None,
                      inference: Any = None) -> Any:
     if script is not None:
-        from atelier.inference.scripted import ScriptedModel, load_script
-
         texts = load_script(script)
         if model is None:
-            from atelier.inference.tiny import build_tiny_tokenizer
-
             return ScriptedModel(build_tiny_tokenizer(), texts, name=f"script:{script.name}")
-        from atelier.inference.models import resolve_model
 
         return ScriptedModel(str(resolve_model(model)), texts, name=f"script:{script.name}")
     if model is None:
         raise AtelierError("no model given", hint="pass --model (a directory, smollm2-135m or an http URL) "
                            "or --script FILE to replay canned turns")
-    from atelier.inference.models import is_url, open_model
 
     if is_url(model):
         return open_model(model, api_key=api_key) if api_key else open_model(model)
@@ -74,8 +80,6 @@ class LiveView:
         self.console, self.quiet = console, quiet
 
     def __call__(self, event: Event) -> None:
-        from rich.markup import escape
-
         if self.quiet:
             return
         c = self.console
@@ -111,13 +115,6 @@ def run_agent_command(*, task: str, model: str | None, repo: Path, apply: bool, 
                       backend: str, script: Path | None, recipe: Path | None, overrides: list[str],
                       api_key: str | None, quiet: bool, engine: str = "builtin",
                       vllm_sets: list[str] | tuple[str, ...] = ()) -> int:
-    from rich.console import Console
-    from rich.syntax import Syntax
-
-    from atelier.config import load_config
-    from atelier.harness.episode import run_in_sandbox
-    from atelier.inference.types import owning
-    from atelier.sandbox import SandboxConfig
 
     if not repo.is_dir():
         raise AtelierError(f"repository {repo} is not a directory", hint="pass --repo DIR")
@@ -126,7 +123,6 @@ def run_agent_command(*, task: str, model: str | None, repo: Path, apply: bool, 
     extra = [f"max_turns={max_turns}"] if max_turns is not None else []
     config = load_config(AgentConfig, recipe, [*overrides, *extra])
     console = Console(stderr=True)
-    from atelier.inference.config import inference_config
 
     with owning(open_agent_model(model, script, api_key, inference_config(engine, vllm_sets))) as policy:
         traj = run_in_sandbox(policy, repo, task, SandboxConfig(backend=backend), task_id=repo.resolve().name,

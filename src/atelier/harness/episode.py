@@ -39,6 +39,8 @@ from atelier.harness.agent import Event, run_episode
 from atelier.harness.config import AgentConfig
 from atelier.harness.trajectory import Trajectory
 from atelier.sandbox import SandboxConfig, create_sandbox
+from atelier.sandbox.hostfs import SANDBOX_PATH
+from atelier.tasks.envs import ensure_env, env_mounts
 from atelier.tasks.grade import GradeResult, grade
 from atelier.tasks.schema import Task
 
@@ -81,9 +83,6 @@ def target_fractions(result: GradeResult) -> dict[str, float]:
 
 def task_sandbox_config(task: Task, venv: Path | None, backend: str) -> SandboxConfig:
     """The task's limits, its venv mounted read-only and first on PATH."""
-    from atelier.sandbox.hostfs import SANDBOX_PATH
-    from atelier.tasks.envs import env_mounts
-
     env = {"PYTHONDONTWRITEBYTECODE": "1"}
     if venv is not None:
         env.update({"PATH": f"{venv}/bin:{SANDBOX_PATH}", "VIRTUAL_ENV": str(venv)})
@@ -102,8 +101,6 @@ def run_and_grade(task: Task, model: Any, agent_cfg: AgentConfig, *, backend: st
                   env_cache: str | Path | None = None,
                   on_event: Callable[[Event], None] | None = None) -> GradedEpisode:
     """Run `model` on `task` and grade the result; see the module docstring."""
-    from atelier.tasks.envs import ensure_env
-
     cache = str(env_cache) if env_cache else None
     start = time.monotonic()
     venv = ensure_env(task, cache)  # a lookup once built

@@ -172,7 +172,8 @@ def gold_patch_calls(patch: str, read_original: Callable[[str], str] | None = No
         if f.kind == "delete":
             turns.append([("delete_file", {"path": f.path})])
         elif f.kind == "add":
-            turns.append([("write_file", {"path": f.path, "content": "".join(l for h in f.hunks for l in h.new)})])
+            content = "".join(line for h in f.hunks for line in h.new)
+            turns.append([("write_file", {"path": f.path, "content": content})])
         else:
             turns.append(_modify_calls(f, read_original))
     return turns

@@ -34,14 +34,18 @@ import logging
 import shutil
 
 import torch
-import torch._dynamo.exc
-import torch._inductor.exc
 
 log = logging.getLogger(__name__)
 
-COMPILE_ERRORS = (torch._dynamo.exc.BackendCompilerFailed, torch._inductor.exc.InvalidCxxCompiler,
-                  torch._inductor.exc.CppCompileError)
-"""What a failed `torch.compile` raises (a missing or broken C++ toolchain), not a bug of ours."""
+def is_compile_error(exc: BaseException) -> bool:
+    """Whether `exc` is what a failed `torch.compile` raises (a missing or broken C++ toolchain), not
+    a bug of ours. torch's compiler modules are imported here, not at import: they import Triton,
+    which reads its settings once."""
+    import torch._dynamo.exc
+    import torch._inductor.exc
+
+    return isinstance(exc, (torch._dynamo.exc.BackendCompilerFailed, torch._inductor.exc.InvalidCxxCompiler,
+                            torch._inductor.exc.CppCompileError))
 
 PADDING_SLACK = 0.25
 """A group of sequences padded to its longest may compute at most this fraction more positions
@@ -100,7 +104,8 @@ def length_groups(lengths: list[int]) -> list[tuple[int, int]]:
         return [(0, len(lengths))]
     groups, start, held = [], 0, 0
     for b, n in enumerate(lengths):
-        if b > start and len(groups) < MAX_GROUPS - 1 and (b + 1 - start) * lengths[start] > (1 + PADDING_SLACK) * (held + n):
+        padded, held_then = (b + 1 - start) * lengths[start], held + n
+        if b > start and len(groups) < MAX_GROUPS - 1 and padded > (1 + PADDING_SLACK) * held_then:
             groups.append((start, b))
             start, held = b, 0
         held += n
@@ -135,7 +140,9 @@ class PagedDecodeAttention:
         torch._dynamo.maybe_mark_dynamic(tables_BN, 1)
         try:
             return self._fn(*args)
-        except COMPILE_ERRORS as exc:
+        except Exception as exc:
+            if not is_compile_error(exc):
+                raise
             log.warning("compiling decode attention failed (%s: %s); running it eagerly",
                         type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             self.compiled = False

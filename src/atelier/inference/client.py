@@ -19,11 +19,13 @@ A base URL may be given with or without the trailing `/v1`.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from atelier.errors import AtelierError, InfraError
+from atelier.inference.routes import decode_routes
 from atelier.inference.types import ChatReply, Generation, SamplingParams
 
 
@@ -109,7 +111,6 @@ class GenerateClient:
         if params.stop_token_ids:
             body["stop_token_ids"] = list(params.stop_token_ids)
         out = _call(self._client, "POST", "/v1/generate", json=body)
-        from atelier.inference.routes import decode_routes
 
         return Generation(token_ids=out["token_ids"], logprobs=out["logprobs"], versions=out["versions"],
                           finish_reason=out["finish_reason"], text=out.get("text", ""),
@@ -199,7 +200,5 @@ def connect(url: str, *, api_key: str | None = None, model: str | None = None, t
 
 
 def _loadable(meta: dict[str, Any]) -> bool:
-    from pathlib import Path
-
     path = meta.get("tokenizer_path")
     return bool(path) and Path(path).is_dir()

@@ -49,12 +49,12 @@ Guarantees, which the tests check:
   rounding either: each request's prefill and decode run as forwards of
   their own (a batch of one; requests still interleave step by step) and the
   prefix cache is off, so its tokens *and logprobs* are bit for bit those it
-  gets alone, whatever ran beside it and whenever it arrived. Measured here:
-  a shared-prompt prefix-cache hit (the second member of a group computing
-  only its prompt's tail) moved logprobs by up to 2e-3 in bf16, and which
-  member of a group hits the cache depends on which thread reaches the queue
-  first. That is what reproducible RL runs need (`rollout.batch_invariant`);
-  it costs the throughput of batching. Preemption (the KV budget full)
+  gets alone, whatever ran beside it and whenever it arrived. Without it, a
+  shared-prompt prefix-cache hit (the second member of a group computing only
+  its prompt's tail) moves logprobs by bf16 rounding, and which member of a
+  group hits the cache depends on which thread reaches the queue first. That
+  is what reproducible RL runs need (`rollout.batch_invariant`); it costs the
+  throughput of batching. Preemption (the KV budget full)
   recomputes a request's keys in one prefill and still changes its rounding.
 - A cancelled request (`RequestHandle.cancel()`, e.g. its HTTP client went
   away) leaves within one step with `finish_reason="abort"` and gives back its
@@ -92,15 +92,18 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from atelier.errors import AtelierError, InfraError
 from atelier.inference.forward import BatchedForward
-from atelier.inference.models import DEFAULT_KV_CACHE_TOKENS, DEFAULT_PREFIX_CACHE_TOKENS
 from atelier.inference.prefix_cache import BlockPool
 from atelier.inference.sampling import make_generator, sample_rows
 from atelier.inference.threads import StepThreads
 from atelier.inference.threads import threads as running_on
-from atelier.inference.types import Generation, SamplingParams
+from atelier.inference.types import DEFAULT_KV_CACHE_TOKENS, DEFAULT_PREFIX_CACHE_TOKENS, Generation, SamplingParams
+from atelier.moe.replay import pack_routes
+from atelier.train.devices import cpu_has_bf16
 
 TokenCallback = Callable[[int, float, int], None]
 KV_BLOCK = 32  # positions per KV block (and per prefix-cache entry)
@@ -192,23 +195,6 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
-def bf16_in_flags(flags: list[str]) -> bool:
-    """Whether /proc/cpuinfo `flags` name a bf16 matrix unit: AMX-BF16 or AVX512-BF16."""
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (from /proc/cpuinfo, else torch's probes)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            if bf16_in_flags(next((line for line in f if line.startswith("flags")), "").split()):
-                return True
-    except OSError:
-        pass
-    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-    return any(getattr(torch.cpu, p, lambda: False)() for p in probes)
-
-
 def pick_dtype(device: torch.device | str, dtype: str | torch.dtype | None) -> torch.dtype:
     """`dtype` as a torch dtype; None or "auto": bf16 where the hardware has it, else fp32."""
     if isinstance(dtype, torch.dtype):
@@ -297,8 +283,6 @@ class LocalEngine:
 
     def _load(self, path: Path, kv_cache_tokens: int, prefix_cache_tokens: int, max_seq_len: int | None,
               compile: bool | None, threads: int | None) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
         blocks = kv_cache_tokens // KV_BLOCK
@@ -310,7 +294,8 @@ class LocalEngine:
         self._targets = self.model.state_dict()
         eos = self.tokenizer.eos_token_id
         self._default_stop = frozenset([eos] if eos is not None else [])
-        self._threads = StepThreads(threads)
+        # on a GPU the CPU threads only feed it: nothing to choose
+        self._threads = StepThreads(threads if self.device.type == "cpu" else threads or torch.get_num_threads())
 
     def _run(self, *load) -> None:
         *args, loaded, ready = load
@@ -434,8 +419,6 @@ class LocalEngine:
 
         Returns the number of tensors loaded.
         """
-        from safetensors.torch import load_file
-
         source = Path(path)
         files = sorted(source.glob("*.safetensors")) if source.is_dir() else [source]
         if not files or not all(f.is_file() for f in files):
@@ -704,8 +687,6 @@ class LocalEngine:
         ids_nLk = self._forward.routes(request.blocks, request.length) if request.blocks else None
         if ids_nLk is None:
             return None
-        from atelier.moe.replay import pack_routes
-
         pad = len(request.context) - ids_nLk.shape[0]
         ids_NLk = torch.cat([ids_nLk, ids_nLk.new_full((pad, *ids_nLk.shape[1:]), -1)])
         return pack_routes(ids_NLk, self._forward.router.num_experts)

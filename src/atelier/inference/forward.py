@@ -65,9 +65,10 @@ import torch
 import torch.nn.functional as F
 
 from atelier.errors import AtelierError
-from atelier.inference.attention import COMPILE_ERRORS, PagedDecodeAttention, decode_attention, length_groups
+from atelier.inference.attention import PagedDecodeAttention, decode_attention, is_compile_error, length_groups
 from atelier.inference.sampling import most_likely, tempered
 from atelier.inference.threads import threads  # noqa: F401  (re-exported: rl.run sets its threads with it)
+from atelier.moe.replay import RouterReplay
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ def _fuse(module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | 
 
 def can_pack(weight: torch.Tensor) -> bool:
     """Whether oneDNN computes from a packed copy of this weight: a CPU tensor in bf16 on a CPU
-    with bf16 units (where packing measured twice as fast at small batches, bit for bit equal)."""
+    with bf16 units (faster at small batches, bit for bit equal: see docs/log/2026-12-06-rollout-engine.md)."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
@@ -295,6 +296,14 @@ def decode_layer(layer: Layer, shape: Shape, k_KRD: torch.Tensor, v_KRD: torch.T
 
 
 _compiled_decode_layer = None
+COMPILE_OPTIONS = {
+    # Keep q (and any value a reduction reads) in a buffer: inlined, inductor recomputed q's rotary
+    # embedding for every key position it attended to, which made the fused layer slower than eager.
+    "realize_reads_threshold": 1,
+    # Round intermediates to the model's dtype where eager does, so compiled and eager agree as
+    # closely as two kernels can.
+    "emulate_precision_casts": True,
+}
 
 
 def compiled_decode_layer() -> Callable:
@@ -302,7 +311,7 @@ def compiled_decode_layer() -> Callable:
     batch of one or more) serve every layer of every engine with the same shapes."""
     global _compiled_decode_layer
     if _compiled_decode_layer is None:
-        _compiled_decode_layer = torch.compile(decode_layer, dynamic=False)
+        _compiled_decode_layer = torch.compile(decode_layer, dynamic=False, options=COMPILE_OPTIONS)
     return _compiled_decode_layer
 
 
@@ -342,8 +351,6 @@ class BatchedForward:
         self.stats = {"copied_rows": 0,      # see _keys
                       "decode_groups": 0}    # attention calls decode made (length_groups), all layers as one
         if any(layer.gate_up is None for layer in self.layers):
-            from atelier.moe.replay import RouterReplay
-
             self.router = RouterReplay(hf_model)   # observes only: what each router chose, per call
         routes = None if self.router is None else (self.router.num_layers, self.router.top_k)
         self.kv = PagedKV(len(self.layers), kv_blocks, block, self.kv_heads, self.head_dim,
@@ -483,7 +490,7 @@ class BatchedForward:
                 continue
             # Additive and [1, 1, N, T], made once for every layer: SDPA's fused CPU kernel takes a 4-D
             # mask only (a 3-D one sent it to the unfused path, which materialises and softmaxes every
-            # [H, N, T] score: its attention ~10x slower here), and a boolean one it converts at every layer
+            # [H, N, T] score, far slower), and a boolean one it converts at every layer
             hidden = torch.arange(start + n, device=dev)[None, :] > torch.arange(start, start + n, device=dev)[:, None]
             mask_11NT = torch.zeros(hidden.shape, dtype=dtype, device=dev).masked_fill_(hidden, float("-inf"))
             plans.append((off, n, self._plan(table, start + n), mask_11NT[None, None]))
@@ -582,7 +589,9 @@ class BatchedForward:
             torch._dynamo.maybe_mark_dynamic(table, 1)
         try:
             return self._compiled_layer(*args, decode_attention)
-        except COMPILE_ERRORS as exc:
+        except Exception as exc:
+            if not is_compile_error(exc):
+                raise
             log.warning("compiling the decode layer failed (%s); running it eagerly", type(exc).__name__)
             self._compiled_layer = None
             return decode_layer(*args, self.attention)

@@ -26,6 +26,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from atelier.errors import AtelierError
+from atelier.inference.client import connect
+from atelier.inference.tiny import VLLM_SHAPE, build_tiny_model
+from atelier.inference.types import DEFAULT_KV_CACHE_TOKENS, DEFAULT_PREFIX_CACHE_TOKENS  # noqa: F401 (the engine's)
+from atelier.inference.vllm_engine import VLLMEngine
 
 if TYPE_CHECKING:
     from atelier.inference.config import InferenceConfig
@@ -58,12 +62,6 @@ KNOWN_MODELS: dict[str, KnownModel] = {
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
-# The local engine's prefix-cache budget in tokens (see `atelier.inference.prefix_cache`); kept
-# here, in a module that imports nothing heavy, so CLI options and configs can default to it.
-DEFAULT_PREFIX_CACHE_TOKENS = 16384
-# The local engine's whole KV memory in token positions (see `atelier.inference.engine`): 0.75 GB
-# for SmolLM2-135M in bf16, 1.5 GB in fp32.
-DEFAULT_KV_CACHE_TOKENS = 32768
 
 
 def atelier_cache_root() -> Path:
@@ -128,7 +126,6 @@ def resolve_or_build_tiny(spec: str | Path, run_dir: Path, *, seed: int = 0, for
     its `model` field into a directory."""
     if str(spec) not in (TINY, TINY_MOE):
         return resolve_model(spec)
-    from atelier.inference.tiny import VLLM_SHAPE, build_tiny_model
 
     target = run_dir / "base-model"
     if is_model_dir(target):
@@ -162,14 +159,10 @@ def open_model(spec: str | Path, *, inference: "InferenceConfig | None" = None, 
       settings where `kwargs` leave them out.
     """
     if is_url(spec):
-        from atelier.inference.client import connect
-
         return connect(str(spec), **kwargs)
     path = resolve_model(spec)
     kwargs.setdefault("name", str(spec) if str(spec).lower() in KNOWN_MODELS else path.name)
     if inference is not None and inference.engine == "vllm":
-        from atelier.inference.vllm_engine import VLLMEngine
-
         return VLLMEngine(path, inference.vllm, name=kwargs["name"], version=kwargs.get("version", 0),
                           work_dir=kwargs.get("work_dir"))
     from atelier.inference.engine import LocalEngine

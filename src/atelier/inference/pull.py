@@ -32,8 +32,14 @@ from typing import Callable
 
 from atelier.errors import AtelierError
 from atelier.fsio import atomic_dir
-from atelier.inference.models import (COMPLETE_MARKER, KNOWN_MODELS, KnownModel, is_model_dir,
-                                      known_model_dir, models_dir)
+from atelier.inference.models import (
+    COMPLETE_MARKER,
+    KNOWN_MODELS,
+    KnownModel,
+    is_model_dir,
+    known_model_dir,
+    models_dir,
+)
 
 Progress = Callable[[str], None]
 

@@ -10,6 +10,7 @@ token in base64.
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 
@@ -38,8 +39,6 @@ def pad_routes(routes: Any, n: int) -> Any:
 
 def encode_routes(routes: Any) -> dict[str, Any] | None:
     """A packed routes array as JSON: dtype, shape and the bytes in base64."""
-    import base64
-
     if routes is None:
         return None
     return {"dtype": str(routes.dtype), "shape": list(routes.shape),
@@ -47,8 +46,6 @@ def encode_routes(routes: Any) -> dict[str, Any] | None:
 
 
 def decode_routes(data: dict[str, Any] | None) -> Any:
-    import base64
-
     import numpy as np
 
     if data is None:

@@ -18,7 +18,7 @@ same tokens regardless of what else shares the batch. A token is drawn by
 inverting the distribution's cumulative sum at one uniform number from the
 request's generator: exactly the categorical distribution, and the cumulative
 sums of every sampled row of a batch are one operation (a draw per row with
-`torch.multinomial` cost more than a decode step's attention at batch 32).
+`torch.multinomial` was a large part of a decode step: docs/log/2026-12-06-rollout-engine.md).
 """
 
 from __future__ import annotations

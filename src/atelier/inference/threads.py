@@ -8,8 +8,8 @@ halve a step's matrix products. But two things make them far slower than one:
   threads is often descheduled and every operation waits a time slice for it;
 - another thread of this process runs multi-threaded torch too (an in-process
   trainer). OpenMP then has more threads than cores and makes idle workers
-  sleep at once, so every operation of ours pays a wake-up (we measured an
-  elementwise op at 90 us against 12). For the same reason the engine loads
+  sleep at once, so every operation of ours pays a wake-up (see
+  docs/log/2026-12-06-rollout-engine.md). For the same reason the engine loads
   and runs its model on its own thread, so a caller's thread keeps no team.
 
 `StepThreads` chooses per step between one thread and torch's thread count:

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import inspect
 import json
+import shlex
+import string
+import textwrap
 from pathlib import Path
 
 CHATML_TEMPLATE = (
@@ -32,12 +35,7 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def _corpus() -> list[str]:
-    import json as json_module
-    import shlex
-    import string
-    import textwrap
-
-    texts = [inspect.getsource(m) for m in (textwrap, shlex, string, json_module.decoder)]
+    texts = [inspect.getsource(m) for m in (textwrap, shlex, string, json.decoder)]
     # The harness's own vocabulary, so tool calls are short token sequences.
     texts.append(
         '<tool_call>\n{"name": "read_file", "arguments": {"path": "src/app.py"}}\n</tool_call>\n'

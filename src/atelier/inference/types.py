@@ -8,7 +8,7 @@ torch) can type against it. Backends: the local engine
 
 Versions are stamped per token, at the decode step that produced the token:
 a weight update that lands mid-generation shows up as a change of version
-inside one `Generation` (PITFALLS: stamping at completion mislabels tokens).
+inside one `Generation` (stamping at completion would mislabel tokens).
 """
 
 from __future__ import annotations
@@ -16,6 +16,13 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Literal, Protocol, TypeVar, runtime_checkable
+
+DEFAULT_PREFIX_CACHE_TOKENS = 16384
+"""The local engine's prefix-cache budget in tokens (see `atelier.inference.prefix_cache`); kept here,
+in a module that imports nothing, so CLI options and configs can default to it."""
+DEFAULT_KV_CACHE_TOKENS = 32768
+"""The local engine's whole KV memory in token positions (see `atelier.inference.engine`): 0.75 GB for
+SmolLM2-135M in bf16, 1.5 GB in fp32."""
 
 FinishReason = Literal["stop", "length", "abort"]
 

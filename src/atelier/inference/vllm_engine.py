@@ -94,6 +94,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+import httpx
+
 from atelier.errors import AtelierError, InfraError
 from atelier.fsio import owned_temp_dir, told_when_disk_full
 from atelier.inference.types import Generation, SamplingParams
@@ -230,7 +232,6 @@ class VLLMEngine:
 
     def __init__(self, model_path: str | Path, config: VLLMConfig | None = None, *, version: int = 0,
                  name: str | None = None, work_dir: str | Path | None = None) -> None:
-        import httpx
         from transformers import AutoConfig, AutoTokenizer
 
         self.config = config or VLLMConfig()
@@ -340,8 +341,6 @@ class VLLMEngine:
         return body
 
     def _run_chunk(self, context: list[int], n: int, params: SamplingParams, done: int) -> tuple[_Chunk, int]:
-        import httpx
-
         if self.server is not None and not self.server.alive():
             self._recover(self._server_epoch)
         body = self._body(context, n, params, done)
@@ -525,16 +524,12 @@ class VLLMEngine:
         self.stats["restarts"] += 1
 
     def _healthy(self) -> bool:
-        import httpx
-
         try:
             return self._http.get("/health", timeout=10).status_code == 200
         except httpx.HTTPError:
             return False
 
     def _served_name_at(self, url: str) -> str:
-        import httpx
-
         try:
             data = httpx.get(f"{url}/v1/models", timeout=30).json().get("data") or []
         except (httpx.HTTPError, ValueError) as exc:

@@ -32,7 +32,7 @@ dead actor's direct children (the server's leader and a direct-child
 watchdog) and left the engine core and a worker running, 2.3 GB resident. PR_SET_PDEATHSIG would not do:
 it fires when the *thread* that started the child exits, and a server may be
 restarted from a rollout thread. As a second line, the next server started
-with the same log path (what `--resume` does) kills whatever is left of a
+with the same log path (what continuing a run does) kills whatever is left of a
 group whose id is kept next to the log.
 
 vLLM's processes talk over Unix sockets it names `<tmp>/<uuid>` and does not
@@ -58,8 +58,10 @@ import time
 from pathlib import Path
 from typing import Literal
 
+import httpx
 from pydantic import Field
 
+import atelier
 from atelier.config import AtelierConfig
 from atelier.errors import AtelierError, InfraError
 
@@ -134,8 +136,6 @@ class VLLMUnavailable(AtelierError, InfraError):
 
 def find_vllm_python(config: VLLMConfig) -> Path:
     """The interpreter of the vLLM environment (see `VLLMConfig.python`)."""
-    import atelier
-
     if config.python:
         candidates = [Path(config.python)]
     elif os.environ.get(PYTHON_ENV_VAR):
@@ -162,8 +162,6 @@ def resolved_dtype(config: VLLMConfig) -> str:
 def server_command(config: VLLMConfig, python: Path | str, model_dir: str | Path, served_name: str,
                    port: int, max_model_len: int) -> tuple[list[str], dict[str, str]]:
     """The command line and the extra environment of a server atelier can drive."""
-    import atelier
-
     args = [str(python), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model_dir), "--served-model-name", served_name,
             "--host", "127.0.0.1", "--port", str(port),
@@ -268,8 +266,6 @@ class VLLMServer:
 
     def start(self, model_dir: str | Path | None = None) -> None:
         """Start from `model_dir` (default: the last one) and wait until healthy."""
-        import httpx
-
         if model_dir is not None:
             self.model_dir = Path(model_dir)
         self.stop()

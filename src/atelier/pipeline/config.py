@@ -96,7 +96,7 @@ class SftStage(AtelierConfig):
     replay: Literal["located", "gold"] = "located"
     """How a gold patch is replayed: "located" finds the function the prompt names with grep and
     reads from its definition (what a policy can do on a task it never saw); "gold" reads at the
-    patch's own line numbers (`atelier.pipeline.replays`)."""
+    patch's own line numbers (`atelier.harness.replay`)."""
     tasks: Optional[int] = Field(None, ge=1)
     """Divide the train split between SFT and RL: at most this many train tasks have their gold
     replayed for the warm start, and RL trains only on the others. They are chosen as the held-out

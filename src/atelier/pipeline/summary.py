@@ -35,6 +35,8 @@ from atelier.eval.compare import MEASURES, evaluation_figures, mcnemar_one_sided
 from atelier.eval.records import read_records
 from atelier.pipeline.memory import PEAK_KEYS
 from atelier.rl.advantages import tied
+from atelier.rl.ledger import Ledger
+from atelier.rl.reconciler import TIED_REASON
 
 EVALUATIONS = {"before": "eval-before", "after_sft": "eval-sft", "after_rl": "eval-after"}
 """Summary label -> the stage (and run subdirectory) that evaluated."""
@@ -53,9 +55,6 @@ def zero_variance_fraction(groups: Sequence[Sequence[float]], skipped: int = 0) 
 def rl_groups(ledger_path: Path) -> tuple[dict[int, list[list[float]]], int]:
     """Rewards of each trained group, by the optimizer step that trained it, and how many groups
     were skipped as tied (`rollout.skip_tied_groups`); nothing when there is no ledger."""
-    from atelier.rl.ledger import Ledger
-    from atelier.rl.reconciler import TIED_REASON
-
     if not ledger_path.is_file():
         return {}, 0
     ledger = Ledger.load(ledger_path)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch.nn.functional as F
 
 from atelier.pretrain.packing import TokenStream
 from atelier.pretrain.schedule import pick_source, row_order
@@ -75,8 +76,6 @@ def masked_lm_loss(logits_NSV, ids_NS, mask_NS):
     target count of the whole optimizer step, so every token weighs the same
     however the step was split into micro-batches.
     """
-    import torch.nn.functional as F
-
     logits = logits_NSV[:, :-1].float()
     targets = ids_NS[:, 1:]
     weights = mask_NS[:, 1:].to(logits.dtype)

@@ -16,6 +16,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
 from atelier.fsio import atomic_write, crash_point, told_when_disk_full
 from atelier.train.checkpoint import full_state_dict, save_sharded
 from atelier.train.collectives import barrier, named_failure
@@ -35,9 +38,6 @@ def save_checkpoint(run_dir: Path, head, tokenizer, optimizer, state: dict[str, 
     `state.json`, written last by rank 0 after every rank's shards are down,
     commits the checkpoint.
     """
-    import numpy as np
-    import torch
-
     ranks = ranks or ONE_CPU_RANK
     root = Path(run_dir) / CHECKPOINTS
     out = root / f"step-{state['global_step']:06d}"
@@ -84,17 +84,12 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 def load_trainer_state(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """The JSON state and the torch payload (optimizer state and RNG states)."""
-    import torch
-
     state = json.loads((checkpoint / "state.json").read_text())
     payload = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
     return state, payload
 
 
 def restore_rng(payload: dict[str, Any]) -> None:
-    import numpy as np
-    import torch
-
     torch.set_rng_state(payload["torch_rng"])
     if payload.get("cuda_rng") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(payload["cuda_rng"])

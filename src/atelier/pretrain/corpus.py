@@ -18,6 +18,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
 from atelier.pretrain.config import DataConfig
 from atelier.pretrain.packing import TokenStream, build_stream, encode_with
 from atelier.pretrain.sources import HELDOUT, TRAIN, DataError, Doc, list_documents, read_text
@@ -96,7 +98,5 @@ def build_corpus(config: DataConfig, tokenizer, data_dir: str | Path, *, quiet: 
 
 
 def _progress(quiet: bool):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TimeRemainingColumn(), disable=quiet, transient=False)

@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from atelier.pretrain.config import BaseEvalConfig
+from atelier.pretrain.modeling import load_model_and_tokenizer
 from atelier.pretrain.perplexity import EvalError, codebase_perplexity, repo_files
+from atelier.pretrain.plots import plot_evals
 from atelier.pretrain.state_tracking import histories_from_files, state_tracking
 
 
 def run_base_evals(model_spec: str, repos: Sequence[str | Path], config: BaseEvalConfig | None = None,
                    *, out_dir: str | Path | None = None, device: str = "cpu") -> dict[str, Any]:
-    from atelier.pretrain.modeling import load_model_and_tokenizer
-
     config = config or BaseEvalConfig()
     if not repos:
         raise EvalError("no repositories to evaluate on",
@@ -42,8 +42,6 @@ def run_base_evals(model_spec: str, repos: Sequence[str | Path], config: BaseEva
         "state_tracking": state_tracking(model, tokenizer, histories, config.max_new_tokens, device),
     }
     if out_dir is not None:
-        from atelier.pretrain.plots import plot_evals
-
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "evals.json").write_text(json.dumps(results, indent=1) + "\n")

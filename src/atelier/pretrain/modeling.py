@@ -13,14 +13,11 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from atelier.errors import AtelierError
-from atelier.inference.models import ModelNotFound
+from atelier.inference.models import ModelNotFound, resolve_model
 
 
 def resolve_model_path(spec: str) -> Path:
     """A model spec (a Hugging Face directory, or a known name pulled into the cache) as a directory."""
-    from atelier.inference.models import resolve_model
-
     return Path(resolve_model(spec))
 
 

@@ -23,6 +23,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from atelier.errors import AtelierError
+from atelier.harness.trajectory import Trajectory
 
 
 class SFTDataError(AtelierError):
@@ -96,8 +97,6 @@ def trajectory_examples(trajectories: Iterable[Any], min_reward: float = 1.0) ->
 
 
 def load_trajectories(directories: Iterable[str | Path], min_reward: float = 1.0) -> list[Example]:
-    from atelier.harness.trajectory import Trajectory
-
     loaded = []
     for directory in directories:
         directory = Path(directory)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+import torch
 
 END = "</final>"
 
@@ -128,8 +129,6 @@ def histories_from_files(files: Sequence[Path], count: int, n_diffs: int, max_ch
 
 def complete(model, tokenizer, prompt: str, max_new_tokens: int, device: str = "cpu") -> str:
     """Greedy continuation of `prompt`, cut at the closing tag."""
-    import torch
-
     ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,

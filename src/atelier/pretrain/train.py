@@ -40,14 +40,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
 from atelier.fsio import append_line, atomic_dir, atomic_write, crash_point
+from atelier.inference.models import resolve_or_build_tiny
+from atelier.moe.attach import RouterHook, attach
 from atelier.pretrain.batches import ExampleBatches, MixtureBatches
 from atelier.pretrain.checkpoint import latest_checkpoint, load_trainer_state, restore_rng, save_checkpoint
 from atelier.pretrain.config import PhaseConfig, PretrainConfig
-from atelier.inference.models import resolve_or_build_tiny
-from atelier.moe.attach import RouterHook, attach
+from atelier.pretrain.corpus import build_corpus
+from atelier.pretrain.evals import run_base_evals
 from atelier.pretrain.modeling import load_model_and_tokenizer, scale_rope_theta
+from atelier.pretrain.plots import plot_losses
 from atelier.pretrain.schedule import lr_at
+from atelier.pretrain.sft_data import load_chat, load_trajectories, pack_examples
+from atelier.pretrain.sources import DataError
 from atelier.rundir import RunDirError, freeze_config
 from atelier.train.batching import step_plan
 from atelier.train.checkpoint import full_state_dict, load_sharded
@@ -82,7 +90,10 @@ class RunResult:
 
 def run_pretrain(config: PretrainConfig, run_dir: str | Path, *, quiet: bool = True) -> RunResult:
     """Run every phase of `config` in `run_dir`, or continue the run there from its last
-    checkpoint; return where the model is."""
+    checkpoint; return where the model is (at once when the run there is finished)."""
+    finished = _finished(config, Path(run_dir))
+    if finished is not None:
+        return finished
     with joined_ranks(config.device, config.timeout_s, wanted=config.ranks, key="ranks",
                       command="atelier pretrain") as ranks:
         return _run_phases(config, Path(run_dir), quiet, ranks)
@@ -126,8 +137,6 @@ class _Run:
 def _open(config: PretrainConfig, run_dir: Path, quiet: bool, ranks) -> _Run:
     """Start the run in `run_dir`, or restore it from its last checkpoint: the model, its
     head, the RNGs and the data."""
-    import torch
-
     if ranks.main:
         prepare_run_dir(config, run_dir)
     barrier(ranks)
@@ -166,8 +175,6 @@ def _open(config: PretrainConfig, run_dir: Path, quiet: bool, ranks) -> _Run:
 
 def _run_phase(run: _Run, index: int, result: RunResult) -> bool:
     """Phase `index`, from where the run stands; True when `stop_after` stopped the run in it."""
-    import torch
-
     config, ranks, head, state = run.config, run.ranks, run.head, run.state
     phase = config.phases[index]
     mid_phase = index == state["phase"] and state["phase_step"] > 0
@@ -243,6 +250,17 @@ def _finish(run: _Run, result: RunResult) -> RunResult:
     return result
 
 
+def _finished(config: PretrainConfig, run_dir: Path) -> RunResult | None:
+    """The result of the run in `run_dir` when it is this config's and finished every phase."""
+    summary = run_dir / "summary.json"
+    if not summary.is_file() or not (run_dir / "final").is_dir() or not prepare_run_dir(config, run_dir):
+        return None
+    done = json.loads(summary.read_text())
+    if done.get("global_step") != sum(p.steps for p in config.phases):
+        return None
+    return RunResult(run_dir, run_dir / "final", done["global_step"], False, [], done.get("evals"))
+
+
 def prepare_run_dir(config: PretrainConfig, run_dir: Path) -> bool:
     """Freeze `config` in `run_dir`, or check it against the run there (`atelier.rundir`); True
     when the run is continued. `stop_after` is left out: it is a property of one call, not of the
@@ -251,8 +269,6 @@ def prepare_run_dir(config: PretrainConfig, run_dir: Path) -> bool:
 
 
 def _corpus(config: PretrainConfig, tokenizer, run_dir: Path, quiet: bool):
-    from atelier.pretrain.corpus import build_corpus
-
     if not config.data.sources:
         return None
     data_dir = Path(config.data.cache_dir).expanduser() if config.data.cache_dir else run_dir / "data"
@@ -260,9 +276,6 @@ def _corpus(config: PretrainConfig, tokenizer, run_dir: Path, quiet: bool):
 
 
 def _batches(config: PretrainConfig, phase: PhaseConfig, index: int, corpus, tokenizer, cursor):
-    from atelier.pretrain.sft_data import load_chat, load_trajectories, pack_examples
-    from atelier.pretrain.sources import DataError
-
     if phase.kind == "pretrain":
         names = [s.name for s in config.data.sources]
         streams = [corpus.train[n] for n in names]
@@ -281,9 +294,6 @@ def _train_step(head, optimizer, batches, phase: PhaseConfig, step: int, ranks, 
                 router: RouterHook | None = None) -> dict[str, Any]:
     """One optimizer step; on an MoE model (`router`, which only observes) also the routers' load
     balance over every position they saw this step on this rank."""
-    import numpy as np
-    import torch
-
 
     started = time.perf_counter()
     lr = lr_at(step, lr=phase.lr, steps=phase.steps, warmup_steps=phase.warmup_steps,
@@ -321,9 +331,6 @@ def _train_step(head, optimizer, batches, phase: PhaseConfig, step: int, ranks, 
 
 
 def _val_loss(head, stream, phase: PhaseConfig, config: PretrainConfig, device: str) -> float | None:
-    import numpy as np
-    import torch
-
     n = min(stream.rows(phase.seq_len), config.eval_batches * phase.micro_batch)
     if n == 0:
         return None
@@ -378,14 +385,10 @@ class _Logger:
 
 
 def _plot(run_dir: Path) -> None:
-    from atelier.pretrain.plots import plot_losses
-
     plot_losses(run_dir / METRICS, run_dir / "loss.png")
 
 
 def _base_evals(config: PretrainConfig, final: Path, corpus, run_dir: Path, device: str) -> dict[str, Any]:
-    from atelier.pretrain.evals import run_base_evals
-
     repos = corpus.heldout_repos if corpus is not None else []
     if not repos:  # e.g. only JSONL sources: nothing laid out as a repository to read whole
         return {"skipped": "no held-out code repositories; run `atelier base-eval --repo DIR`"}

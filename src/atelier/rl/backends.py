@@ -11,8 +11,11 @@ produced it.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
+from atelier.inference.models import open_model
+from atelier.rl.config import TrainConfig
 from atelier.rl.env import Environment
 from atelier.rl.reconciler import DoneCallback
 from atelier.rl.weight_sync import WeightSync
@@ -48,3 +51,31 @@ class LocalBackend:
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
+
+
+def make_backend(config: TrainConfig, env, model_path: Path, version: int, reader: WeightSync,
+                 chain_root: Path | None, work_dir: Path | None = None):
+    """The rollout backend `config.launcher` selects: threads over one engine here, or Ray actors
+    (`atelier.rl.ray_backend`, Ray being an optional dependency)."""
+    if config.launcher == "ray":
+        from atelier.rl.ray_backend import RayBackend
+
+        return RayBackend(config, model_path, version, chain_root=chain_root, reader=reader)
+    return LocalBackend(env, open_rollout_engine(config, model_path, version, work_dir), reader,
+                        config.rollout.workers)
+
+
+def open_rollout_engine(config: TrainConfig, model_path: Path, version: int, work_dir: Path | None = None):
+    """The engine `config.inference` selects, at policy `version` (vLLM keeps its server log in `work_dir`)."""
+    engine = open_model(model_path, inference=config.inference, version=version, name=model_path.name,
+                        work_dir=work_dir, max_batch=max(8, config.rollout.workers),
+                        prefix_cache_tokens=config.rollout.prefix_cache_tokens, dtype=config.rollout.dtype,
+                        kv_cache_tokens=config.rollout.kv_cache_tokens,
+                        batch_invariant=config.rollout.batch_invariant)
+    if config.inference.engine == "vllm" and config.inference.vllm.url:
+        try:  # re-attach: the server may hold weights of another run or of a step past the checkpoint
+            engine.load_model_weights(version)
+        except BaseException:
+            engine.close()
+            raise
+    return engine

@@ -14,7 +14,7 @@ from pydantic import Field, field_validator, model_validator
 from atelier.config import AtelierConfig
 from atelier.harness.config import AgentConfig
 from atelier.inference.config import InferenceConfig
-from atelier.inference.models import DEFAULT_KV_CACHE_TOKENS, DEFAULT_PREFIX_CACHE_TOKENS
+from atelier.inference.types import DEFAULT_KV_CACHE_TOKENS, DEFAULT_PREFIX_CACHE_TOKENS
 from atelier.rl.shaping import ShapingConfig
 
 

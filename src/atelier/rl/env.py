@@ -38,6 +38,7 @@ from atelier.harness.trajectory import Segment, Trajectory
 from atelier.inference.types import SamplingParams, TokenModel
 from atelier.rl.config import EnvConfig, RolloutConfig, ToyEnvConfig
 from atelier.rl.shaping import ShapingConfig, shape_trajectory
+from atelier.rl.task_env import TaskEnvironment
 
 
 class Environment(Protocol):
@@ -155,8 +156,9 @@ def load_factory(spec: str) -> Callable[..., Any]:
                                            "the module is importable (pip install it or set PYTHONPATH)") from exc
     factory = getattr(module, name, None)
     if not callable(factory):
-        raise EnvironmentFactoryError(f"{target!r} has no callable {name!r}",
-                                      hint=f"define def {name}(rollout, shaping, seed, **args) returning an environment")
+        raise EnvironmentFactoryError(
+            f"{target!r} has no callable {name!r}",
+            hint=f"define def {name}(rollout, shaping, seed, **args) returning an environment")
     return factory
 
 
@@ -188,6 +190,5 @@ def make_environment(env: EnvConfig, rollout: RolloutConfig, shaping: ShapingCon
                 f"{env.python.factory} returned {type(built).__name__}, which lacks {', '.join(missing)}",
                 hint="return an object with tasks(), category(task) and rollout(task, model, seed)")
         return built
-    from atelier.rl.task_env import TaskEnvironment
 
     return TaskEnvironment(env.tasks, rollout, shaping)

@@ -13,16 +13,17 @@ So the file holds each committed step once, in order, whatever moment
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from atelier.errors import AtelierError
+from atelier.failures import is_out_of_memory
 from atelier.fsio import append_line, atomic_write
 from atelier.rl.advantages import group_stats
 from atelier.rl.reconciler import Batch
 from atelier.rl.sample import Sample
-from atelier.failures import is_out_of_memory
 from atelier.tasks.tamper import is_tampered
 
 
@@ -143,8 +144,6 @@ def failure_counts(batch: Batch, counters) -> dict[str, int]:
 
 
 def _elapsed(counters) -> float:
-    import time
-
     return time.perf_counter() - counters.since
 
 

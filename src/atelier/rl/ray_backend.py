@@ -6,8 +6,9 @@ the RL run), `atelier.train.launch_ray` (trainer ranks as Ray actors) and
 
 - `InferenceActor` holds the engine `config.inference` selects: a
   `LocalEngine` (continuous batching) or a `VLLMEngine`, whose vLLM server
-  the actor starts on its node (one server per run); it is a threaded actor, so many `generate` calls block inside it at once and the
-  engine batches them. Weights arrive either through the object store
+  the actor starts on its node (one server per run); it is a threaded
+  actor, so many `generate` calls block inside it at once and the engine
+  batches them. Weights arrive either through the object store
   (in-process sync) or, with `sync.kind = "delta"`, by the actor rebuilding
   them itself from the delta chain on shared storage — the cluster path:
   only a few bytes of control message cross Ray per step.
@@ -42,12 +43,18 @@ from pathlib import Path
 from typing import Any
 
 import ray
+import torch
 from ray.exceptions import RayError, RayTaskError
+from transformers import AutoTokenizer
 
 from atelier.errors import AtelierError, InfraError
+from atelier.harness.trajectory import Trajectory
 from atelier.inference.types import Generation, SamplingParams
+from atelier.rl.backends import open_rollout_engine
 from atelier.rl.config import TrainConfig
+from atelier.rl.env import make_environment
 from atelier.rl.reconciler import DoneCallback
+from atelier.rl.weight_sync import DeltaChainWeightSync
 
 
 class RayLaunchError(AtelierError):
@@ -77,9 +84,6 @@ def remote_failure(exc: BaseException) -> BaseException:
 @ray.remote(num_cpus=0, max_restarts=2)
 class InferenceActor:
     def __init__(self, config_json: str, model_path: str, version: int) -> None:
-        import torch
-
-        from atelier.rl.run import open_rollout_engine
 
         torch.set_num_threads(1)
         config = TrainConfig.model_validate_json(config_json)
@@ -96,8 +100,6 @@ class InferenceActor:
         return self.engine.version
 
     def update_from_chain(self, root: str, version: int) -> int:
-        from atelier.rl.weight_sync import DeltaChainWeightSync
-
         if self.chain is None:
             self.chain = DeltaChainWeightSync(root)
         latest = self.chain.latest()
@@ -117,8 +119,6 @@ class RemoteTokenModel:
     """A `TokenModel` that generates on an `InferenceActor`."""
 
     def __init__(self, actor, model_path: str, name: str) -> None:
-        from transformers import AutoTokenizer
-
         self.actor, self.name = actor, name
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
 
@@ -132,8 +132,6 @@ class RemoteTokenModel:
 @ray.remote(num_cpus=0, max_restarts=2)
 class RolloutActor:
     def __init__(self, config_json: str, inference, model_path: str) -> None:
-        from atelier.rl.env import make_environment
-
         config = TrainConfig.model_validate_json(config_json)
         self.env = make_environment(config.env, config.rollout, config.shaping, config.seed)
         self.model = RemoteTokenModel(inference, model_path, Path(model_path).name)
@@ -169,8 +167,6 @@ class RayBackend:
         return self._version
 
     def submit(self, slot_id: str, task: Any, seed: int, done: DoneCallback) -> None:
-        from atelier.harness.trajectory import Trajectory
-
         actor = self.actors[self._next % len(self.actors)]
         self._next += 1
         ref = actor.rollout.remote(task, seed)

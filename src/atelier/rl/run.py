@@ -47,17 +47,31 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+from transformers import AutoTokenizer
+from transformers.utils import logging as hf_logging
+
 from atelier.fsio import atomic_write, crash_point
+from atelier.inference.forward import threads
+from atelier.inference.models import resolve_or_build_tiny
 from atelier.rl.advantages import trained_samples
+from atelier.rl.backends import make_backend
 from atelier.rl.checkpoint import committed_checkpoint, latest_checkpoint, read_meta, save_checkpoint, start_rng
 from atelier.rl.config import TrainConfig
 from atelier.rl.curriculum import Curriculum
 from atelier.rl.env import make_environment
 from atelier.rl.ledger import Ledger
-from atelier.rl.metrics import (MetricsWriter, committed_counts, make_loggers, sample_metrics, staleness_counts,
-                                step_metrics)
+from atelier.rl.metrics import (
+    MetricsWriter,
+    committed_counts,
+    make_loggers,
+    sample_metrics,
+    staleness_counts,
+    step_metrics,
+)
 from atelier.rl.mirror import Commands, follow, lead
 from atelier.rl.reconciler import Batch, Reconciler
+from atelier.rl.trainer import Trainer
 from atelier.rl.weight_sync import WeightSync, make_weight_sync, map_tensors
 from atelier.rundir import freeze_config
 from atelier.train.ranks import joined_ranks
@@ -87,36 +101,6 @@ def prepare_run_dir(config: TrainConfig, run_dir: Path) -> bool:
     """Freeze `config` in `run_dir`, or check it against the run there (`atelier.rundir`); True
     when the run is continued. A continued run may be given more (or fewer) `trainer.steps`."""
     return freeze_config(config, run_dir, command="atelier train", may_change=("trainer.steps",))
-
-
-def make_backend(config: TrainConfig, env, model_path: Path, version: int, reader: WeightSync,
-                 chain_root: Path | None, work_dir: Path | None = None):
-    if config.launcher == "ray":
-        from atelier.rl.ray_backend import RayBackend
-
-        return RayBackend(config, model_path, version, chain_root=chain_root, reader=reader)
-    from atelier.rl.backends import LocalBackend
-
-    return LocalBackend(env, open_rollout_engine(config, model_path, version, work_dir), reader,
-                        config.rollout.workers)
-
-
-def open_rollout_engine(config: TrainConfig, model_path: Path, version: int, work_dir: Path | None = None):
-    """The engine `config.inference` selects, at policy `version` (vLLM keeps its server log in `work_dir`)."""
-    from atelier.inference.models import open_model
-
-    engine = open_model(model_path, inference=config.inference, version=version, name=model_path.name,
-                        work_dir=work_dir, max_batch=max(8, config.rollout.workers),
-                        prefix_cache_tokens=config.rollout.prefix_cache_tokens, dtype=config.rollout.dtype,
-                        kv_cache_tokens=config.rollout.kv_cache_tokens,
-                        batch_invariant=config.rollout.batch_invariant)
-    if config.inference.engine == "vllm" and config.inference.vllm.url:
-        try:  # re-attach: the server may hold weights of another run or of a step past the checkpoint
-            engine.load_model_weights(version)
-        except BaseException:
-            engine.close()
-            raise
-    return engine
 
 
 @dataclass
@@ -150,8 +134,6 @@ def run_training(config: TrainConfig, run_dir: str | Path,
     Sets torch's thread count to `trainer.threads` for the run and restores
     it after (`inference.forward.threads`).
     On trainer ranks other than 0 it follows rank 0 and returns None."""
-    from atelier.inference.forward import threads
-
     t = config.trainer
     with threads(t.threads), joined_ranks(t.device, t.timeout_s, wanted=t.ranks, key="trainer.ranks",
                                           command="atelier train") as ranks:
@@ -180,9 +162,6 @@ def run_training(config: TrainConfig, run_dir: str | Path,
 
 def open_run(config: TrainConfig, run_dir: Path, ranks=None, commands=None) -> Run:
     """Restore (or start) the trainer, ledger, weight sync, rollout backend and reconciler."""
-    from transformers.utils import logging as hf_logging
-
-    from atelier.inference.models import resolve_or_build_tiny
 
     hf_logging.disable_progress_bar()
     started = time.perf_counter()
@@ -228,8 +207,6 @@ def restore_trainer(config: TrainConfig, model_path: Path, ckpt: Path | None, ra
 def make_trainer(config: TrainConfig, model_path: Path, ckpt: Path | None, *, ranks=None, rng: bool = False):
     """The trainer (with its checkpoint's step and optimizer); `rng`: also start this rank's RNGs
     (the other ranks; rank 0 starts them at the end of `open_run`)."""
-    from atelier.rl.trainer import Trainer
-
     step = read_meta(ckpt)["step"] if ckpt else 0
     trainer = Trainer(model_path, config.trainer, temperature=config.rollout.temperature, step=step,
                       ranks=ranks)
@@ -280,7 +257,8 @@ def train_step(run: Run, batch: Batch, *, idle_s: float) -> dict[str, Any]:
     run.idle_s += idle_s
     run.busy_s += busy_s
     record = step_metrics(step=step, batch=batch, ledger_counts=committed_counts(run.ledger, batch),
-                          train={**train, **sample_metrics(staleness, len(samples) - len(trained))}, sync=sync, engine_swap_s=engine_swap_s,
+                          train={**train, **sample_metrics(staleness, len(samples) - len(trained))}, sync=sync,
+                          engine_swap_s=engine_swap_s,
                           counters=run.reconciler.take_counters(), idle_s=idle_s, busy_s=busy_s,
                           wall_s=time.perf_counter() - run.started, mode=config.rollout.mode)
     run.metrics.write(record)  # commits the step
@@ -317,12 +295,9 @@ def write_summary(run: Run) -> TrainSummary:
 def _published(state_dict, dtype: str):
     if dtype == "same":
         return state_dict
-    import torch
 
     return map_tensors(state_dict, lambda v: v.detach().to(torch.bfloat16) if v.is_floating_point() else v)
 
 
 def _tokenizer(model_path: Path):
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(model_path)

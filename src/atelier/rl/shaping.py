@@ -37,6 +37,8 @@ from typing import Any
 from pydantic import Field
 
 from atelier.config import AtelierConfig
+from atelier.harness.trajectory import changed_lines
+from atelier.tasks.screen import screen_patch
 
 DONE_TODO = {"done", "completed", "complete", "cancelled"}
 
@@ -104,9 +106,6 @@ def shape_trajectory(traj, correctness: float, cfg: ShapingConfig, *, applied: b
     """`shape_reward` over a Trajectory's counters and its final diff's
     static screen; sets traj.reward and reward_parts. `applied`: the grader
     could apply the final diff (no grade error), which the edit term needs."""
-    from atelier.harness.trajectory import changed_lines
-    from atelier.tasks.screen import screen_patch
-
     suspect = bool(screen_patch(traj.final_diff)) if getattr(traj, "final_diff", None) else False
     parts = shape_reward(correctness, tokens=traj.tokens, tool_calls=traj.num_tool_calls,
                          turns=traj.turns, broken_calls=traj.broken_calls, todos=traj.todos, cfg=cfg,

@@ -22,10 +22,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from atelier.errors import InfraError
+from atelier.harness.episode import run_and_grade
 from atelier.harness.trajectory import Trajectory
 from atelier.rl.config import RolloutConfig, TasksEnvConfig
-from atelier.rl.env import InfraError
 from atelier.rl.shaping import ShapingConfig, shape_trajectory
+from atelier.sandbox import SandboxError
 from atelier.tasks import Task, load_suite, load_task
 from atelier.tasks.schema import TaskError
 
@@ -63,9 +65,6 @@ class TaskEnvironment:
         return self.agent.model_copy(update={"sampling": sampling})
 
     def rollout(self, task: Task, model, seed: int) -> Trajectory:
-        from atelier.harness.episode import run_and_grade
-        from atelier.sandbox import SandboxError
-
         try:
             episode = run_and_grade(task, model, self._agent_config(seed), backend=self.cfg.backend,
                                     env_cache=self.cfg.env_cache or None)

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from atelier.fsio import crash_point
 from atelier.moe.attach import attach
@@ -96,8 +97,6 @@ class _StepSums:
 class Trainer:
     def __init__(self, model_dir: str | Path, cfg: TrainerConfig, *, temperature: float = 1.0,
                  step: int = 0, ranks: Ranks | None = None) -> None:
-        from transformers import AutoModelForCausalLM
-
         self.cfg, self.temperature, self.step = cfg, temperature, step
         self.ranks = ranks or init_ranks(cfg.device, cfg.timeout_s)
         self.precision = resolve_precision(cfg.precision, self.ranks.device)

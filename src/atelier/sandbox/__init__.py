@@ -7,8 +7,6 @@ and is not isolated) or `local` (a plain subprocess that isolates nothing).
 
 from __future__ import annotations
 
-import os
-
 from atelier.sandbox.base import (
     WORKDIR,
     ExecResult,
@@ -23,6 +21,8 @@ from atelier.sandbox.base import (
     SnapshotMissing,
     SnapshotUnusable,
 )
+from atelier.sandbox.factory import create_sandbox
+from atelier.sandbox.pool import PoolExhausted, SandboxPool
 
 __all__ = [
     "WORKDIR", "ExecResult", "Sandbox", "SandboxClosed", "SandboxConfig", "SandboxError",
@@ -30,23 +30,3 @@ __all__ = [
     "SnapshotUnusable",
     "create_sandbox", "SandboxPool", "PoolExhausted",
 ]
-
-
-def __getattr__(name: str):
-    # Pools are imported on first use: most callers only need create_sandbox.
-    if name in ("SandboxPool", "PoolExhausted"):
-        from atelier.sandbox import pool
-
-        return getattr(pool, name)
-    raise AttributeError(f"module 'atelier.sandbox' has no attribute {name!r}")
-
-
-def create_sandbox(snapshot: str | os.PathLike, config: SandboxConfig | None = None) -> Sandbox:
-    config = config or SandboxConfig()
-    if config.backend == "local":
-        from atelier.sandbox.local import LocalSandbox
-
-        return LocalSandbox(snapshot, config)
-    from atelier.sandbox.bwrap import BwrapSandbox
-
-    return BwrapSandbox(snapshot, config)

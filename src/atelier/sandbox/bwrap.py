@@ -100,12 +100,12 @@ from pathlib import Path
 from typing import Any
 
 from atelier.sandbox import diff as diffs
-from atelier.sandbox import fsutil
+from atelier.sandbox import egress, fsutil, memory
 from atelier.sandbox.base import (
-    MiB,
     WORKDIR,
     Command,
     ExecResult,
+    MiB,
     OutputCallback,
     Sandbox,
     SandboxClosed,
@@ -119,12 +119,11 @@ from atelier.sandbox.base import (
     workspace_relpath,
 )
 from atelier.sandbox.cgroups import SandboxCgroup
-from atelier.sandbox import egress, memory
 from atelier.sandbox.hostfs import SANDBOX_PATH, generated_etc_files, runtime_dir, system_bind_args
 from atelier.sandbox.layers import Layer
-from atelier.sandbox.rootmap import Stage, acting_as, check_mapped, running_as_root
 from atelier.sandbox.snapshot import check_snapshot, copy_failure
 from atelier.sandbox.process import run_process
+from atelier.sandbox.rootmap import Stage, acting_as, check_mapped, running_as_root
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +148,7 @@ fi
 cd "$rw/upper" || exit 96
 echo "ready $mode"
 read -r _ || true
-"""
+"""  # noqa: E501 (a shell line)
 
 _live: "weakref.WeakSet[BwrapSandbox]" = weakref.WeakSet()
 

@@ -20,7 +20,7 @@ import stat
 import zlib
 from typing import Callable, Iterable
 
-from atelier.sandbox.fsutil import Entry, walk
+from atelier.sandbox.fsutil import Entry, open_dir, walk
 
 ZERO_OID = "0" * 40
 BINARY_SNIFF_BYTES = 8000
@@ -188,8 +188,6 @@ def layer_changes(layer_fd: int) -> tuple[set[str], set[str]]:
 
 def files_under(root_fd: int, dirs: Iterable[str]) -> set[str]:
     """Every file path of the tree at `root_fd` inside any of `dirs`."""
-    from atelier.sandbox.fsutil import open_dir
-
     found: set[str] = set()
     for d in dirs:
         try:

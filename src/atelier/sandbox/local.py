@@ -25,9 +25,9 @@ from pathlib import Path
 from atelier.sandbox import diff as diffs
 from atelier.sandbox import fsutil
 from atelier.sandbox.base import (
-    MiB,
     Command,
     ExecResult,
+    MiB,
     OutputCallback,
     Sandbox,
     SandboxClosed,

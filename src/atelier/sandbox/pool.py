@@ -66,9 +66,9 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from atelier.sandbox import create_sandbox
 from atelier.sandbox.base import (Sandbox, SandboxClosed, SandboxConfig, SandboxError, SnapshotMissing,
                                   SnapshotUnusable)
+from atelier.sandbox.factory import create_sandbox
 from atelier.sandbox.pressure import (
     CpuPressure,
     admission_wait_reason,

@@ -19,6 +19,8 @@ import dataclasses
 import re
 from typing import Iterator
 
+from packaging.version import InvalidVersion, Version
+
 _VERSION = r"v?(?P<v>\d+(?:\.\d+)+(?:[-._]?(?:a|b|rc|alpha|beta|post|dev|c)\.?\d*)*)"
 _HEAD = re.compile(
     r"^\s*(?:[*_]{2})?\[?(?:(?:version|release|changes\s+in|changes\s+for|what's\s+new\s+in)\s+"
@@ -46,10 +48,6 @@ def _same_version(a: str, b: str) -> bool:
     a, b = a.lower().lstrip("v"), b.lower().lstrip("v")
     if a == b:
         return True
-    try:
-        from packaging.version import InvalidVersion, Version
-    except ImportError:  # pragma: no cover - packaging ships with pip and pytest
-        return False
     try:
         return Version(a) == Version(b)
     except InvalidVersion:

@@ -115,6 +115,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import posixpath
 import secrets
 import shlex
@@ -123,7 +124,8 @@ from typing import Iterable, Sequence
 
 from atelier.failures import OUT_OF_MEMORY
 from atelier.sandbox import Sandbox, SandboxError, SandboxOutOfMemory, create_sandbox
-from atelier.tasks import reporter, tamper as tamper_mod
+from atelier.tasks import reporter
+from atelier.tasks import tamper as tamper_mod
 from atelier.tasks.envs import ensure_env, env_mounts, env_python
 from atelier.tasks.junit import Status
 from atelier.tasks.pytest_ini import read_ini
@@ -425,8 +427,6 @@ PYTEST_CONTROL = ("conftest.py", "pytest.ini", ".pytest.ini", "tox.ini")
 def pytest_control_files(task: Task) -> dict[str, Path]:
     """The task's own control files: repository path → host file (a hidden
     test wins over the snapshot's file of the same path)."""
-    import os
-
     found: dict[str, Path] = {}
     for dirpath, dirnames, filenames in os.walk(task.snapshot):
         dirnames[:] = [d for d in dirnames if d != ".git"]

@@ -45,8 +45,11 @@ from pathlib import Path
 from typing import Any
 
 from atelier.compat import tomllib
+from atelier.sandbox.base import SandboxConfig
+from atelier.sandbox.factory import create_sandbox
 from atelier.tasks.schema import PythonEnv, Task, TaskError, TaskLimits, TaskMetadata, TaskSpec
 from atelier.tasks.stats import patch_stats
+from atelier.tasks.writer import write_task
 
 WRAPPER = "tests/test_harbor_verifier.py"
 NODE = f"{WRAPPER}::test_harbor_verifier"
@@ -213,8 +216,6 @@ def _read_config(src: Path, tid: str) -> dict[str, Any]:
 def import_task(src: str | Path, out_dir: str | Path, *, backend: str = "bwrap",
                 overwrite: bool = False) -> Task:
     """Import one Harbor task (one that needs no image) as `out_dir/<id>`."""
-    from atelier.tasks.writer import write_task
-
     src = Path(src)
     tid = task_id(src.name)
     for rel in ("instruction.md", "tests/test.sh", "solution/solve.sh"):
@@ -253,9 +254,6 @@ def import_task(src: str | Path, out_dir: str | Path, *, backend: str = "bwrap",
 def solution_diff(src: Path, repo: Path, workdir: str, *, backend: str = "bwrap",
                   timeout_s: float = DEFAULT_TIMEOUT_S, tid: str = "?") -> str:
     """Run `solution/solve.sh` in a sandbox over `repo` and return its diff."""
-    from atelier.sandbox import create_sandbox
-    from atelier.sandbox.base import SandboxConfig
-
     sol = "/tmp/atelier-solution"
     config = SandboxConfig(backend=backend, timeout_s=timeout_s, env={"PYTHONDONTWRITEBYTECODE": "1"})
     with create_sandbox(repo, config) as sb:

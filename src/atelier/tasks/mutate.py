@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 
-
 @dataclass(frozen=True)
 class Mutation:
     """One span rewrite: `source[start:end] == original` becomes `mutated`.

@@ -25,9 +25,10 @@ from pathlib import Path, PurePosixPath
 from typing import Callable, Sequence
 
 from atelier.errors import AtelierError
+from atelier.sandbox import SandboxError, create_sandbox
 from atelier.sandbox.base import SandboxConfig
+from atelier.tasks.envs import ensure_python_env, env_mounts, env_python
 from atelier.tasks.junit import JUnitError, parse_junit
-from atelier.tasks.pytest_ini import test_command as pytest_test_command
 from atelier.tasks.mutate import (
     Mutation,
     _count_changed_lines,
@@ -38,6 +39,10 @@ from atelier.tasks.mutate import (
     gold_patch,
     terse_prompt,
 )
+from atelier.tasks.pytest_ini import test_command as pytest_test_command
+from atelier.tasks.schema import PythonEnv, TaskMetadata, TaskSpec, node_file
+from atelier.tasks.writer import write_task
+
 
 class TestRunError(RuntimeError):
     """The test runner gave no usable result (no report, internal error)."""
@@ -92,10 +97,6 @@ def sandbox_pytest_runner(backend: str = "bwrap", timeout: float = 300.0) -> Run
     (no network, nothing of the host writable), with the same environment
     grading uses: a venv of this Python that sees its site-packages, and the
     tasks' own test command (`task_test_command`)."""
-    from atelier.sandbox import SandboxError, create_sandbox
-    from atelier.tasks.envs import ensure_python_env, env_mounts, env_python
-    from atelier.tasks.schema import PythonEnv
-
     venv = ensure_python_env(PythonEnv(python=f"{sys.version_info.major}.{sys.version_info.minor}",
                                        system_site_packages=True))
     config = SandboxConfig(backend=backend, ro_mounts=env_mounts(venv), output_limit_bytes=16 * 2**20)
@@ -220,9 +221,6 @@ def _write_task(out: Path, work: Path, repo_name: str, files: dict[str, str], mu
     """Write one task in the standard layout (`atelier.tasks.writer`): the
     mutated repository is the base state, the original code is the gold fix,
     and the files of the target tests are hidden tests (restored at grading)."""
-    from atelier.tasks.schema import PythonEnv, TaskMetadata, TaskSpec, node_file
-    from atelier.tasks.writer import write_task
-
     f2p, p2p = outcome
     key = "|".join(sorted(f"{m.path}:{m.start}:{m.end}:{m.mutated}" for m in muts))
     task_id = f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', repo_name)}-mut-{hashlib.sha1(key.encode()).hexdigest()[:10]}"

@@ -29,6 +29,7 @@ settings of a configuration file outside the repository root.
 from __future__ import annotations
 
 import configparser
+import os
 import shlex
 from pathlib import Path
 
@@ -116,8 +117,6 @@ _NOT_SCANNED_DIRS = {".git", ".hg", ".tox", ".nox", ".venv", "__pycache__", "nod
 def idle_plugin_args(*roots: Path) -> list[str]:
     """`-p no:NAME` for each plugin in `IDLE_PLUGINS` that no source,
     configuration or requirements file under `roots` mentions."""
-    import os
-
     unseen = dict(IDLE_PLUGINS)
     for root in roots:
         for dirpath, dirnames, filenames in os.walk(root):

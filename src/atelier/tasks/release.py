@@ -53,10 +53,18 @@ import zipfile
 from pathlib import Path, PurePosixPath
 from typing import Callable
 
+from packaging.requirements import InvalidRequirement, Requirement
+
+from atelier.compat import tomllib
+from atelier.sandbox import SandboxError, create_sandbox
+from atelier.sandbox.diff import unified_diff
+from atelier.sandbox.fsutil import entry_beneath
 from atelier.tasks import pytest_ini
 from atelier.tasks.changelog import changelog_entry
-from atelier.tasks.schema import (PythonEnv, Task, TaskError, TaskLimits, TaskMetadata, TaskSpec,
-                                  node_file)
+from atelier.tasks.envs import ensure_env, env_mounts, env_python
+from atelier.tasks.grade import EXIT_MEANING, _restore_tests, test_argv
+from atelier.tasks.junit import JUnitError, parse_junit
+from atelier.tasks.schema import PythonEnv, Task, TaskError, TaskLimits, TaskMetadata, TaskSpec, node_file
 from atelier.tasks.writer import write_task
 
 RUNS = 3
@@ -99,9 +107,6 @@ def release_files(root: Path) -> list[str]:
 
 def release_diff(old: Path, new: Path, paths: list[str]) -> str:
     """A `git apply`-able diff of `paths` from `old` to `new`."""
-    from atelier.sandbox.diff import unified_diff
-    from atelier.sandbox.fsutil import entry_beneath
-
     old_fd = os.open(old, os.O_RDONLY | os.O_DIRECTORY)
     new_fd = os.open(new, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -155,8 +160,6 @@ def local_field(root: Path, field: str) -> str | None:
         return meta[field][0]
     pyproject = root / "pyproject.toml"
     if pyproject.is_file():
-        from atelier.compat import tomllib
-
         try:
             value = tomllib.loads(pyproject.read_text()).get("project", {}).get(field)
         except tomllib.TOMLDecodeError:
@@ -170,8 +173,6 @@ def runtime_requirements(requires_dist: list[str], python: str = PYTHON,
                          exclude: str = "") -> list[str]:
     """`Requires-Dist` values worth installing: no extras except the test ones,
     other markers evaluated for `python`, none named `exclude` (the package)."""
-    from packaging.requirements import InvalidRequirement, Requirement
-
     out = []
     for spec in requires_dist:
         try:
@@ -206,7 +207,6 @@ def pin_requirements(requirements: list[str]) -> list[str]:
                             hint="check the network, or pass --no-deps")
         data = json.loads(report.read_text())
     versions = {_canon(i["metadata"]["name"]): i["metadata"]["version"] for i in data["install"]}
-    from packaging.requirements import Requirement
 
     pinned = []
     for spec in requirements:
@@ -272,11 +272,6 @@ Runner = Callable[[Task, str], Statuses]
 
 def sandbox_runner(backend: str = "bwrap", cache_dir: str | None = None) -> Runner:
     """Run the probe task's test modules in a fresh sandbox, as `grade` would."""
-    from atelier.sandbox import SandboxError, create_sandbox
-    from atelier.tasks.envs import ensure_env, env_mounts, env_python
-    from atelier.tasks.grade import EXIT_MEANING, _restore_tests, test_argv
-    from atelier.tasks.junit import JUnitError, parse_junit
-
     def run(task: Task, patch: str) -> Statuses:
         venv = ensure_env(task, cache_dir)
         config = task.limits.sandbox_config(backend=backend, ro_mounts=env_mounts(venv) if venv else [],

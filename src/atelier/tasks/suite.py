@@ -39,6 +39,7 @@ from typing import Literal, Optional
 from pydantic import Field, model_validator
 
 from atelier.config import AtelierConfig, ConfigError, load_config
+from atelier.tasks.release import _slug
 from atelier.tasks.schema import TaskError
 
 SUITES_DIR = Path(__file__).resolve().parents[3] / "suites"
@@ -79,8 +80,6 @@ class ReleaseEntry(AtelierConfig):
 
     @property
     def task_id(self) -> str:
-        from atelier.tasks.release import _slug
-
         return _slug(f"{self.package}-{self.from_version}-to-{self.to_version}")
 
     @property

@@ -62,9 +62,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable, Literal
 
+from atelier.config import dump_config
 from atelier.fsio import atomic_write, crash_point
+from atelier.tasks import release
+from atelier.tasks.loader import INDEX_FILE, SuiteIndex, load_task
+from atelier.tasks.mutation_tasks import MutationBuildError, build_mutation_tasks, sandbox_pytest_runner
+from atelier.tasks.release import _canon, download_sdist
 from atelier.tasks.schema import TaskError
 from atelier.tasks.suite import MutationEntry, ReleaseEntry, Spec, atelier_cache
+from atelier.tasks.validate import check_task, grade_flags, reason
 
 WORK = ".atelier-build"
 REPORT = "build-report.json"
@@ -178,8 +184,6 @@ class _Sources:
         self.guard = threading.Lock()
 
     def get(self, package: str, version: str) -> Path:
-        from atelier.tasks.release import _canon, download_sdist
-
         name = f"{_canon(package)}-{version}"
         with self.guard:
             lock = self.locks.setdefault(name, threading.Lock())
@@ -196,9 +200,6 @@ class _Sources:
 def _validation_drop(task_dir: Path, runs: int, backend: str, envs: Path) -> dict | None:
     """None when the task is valid, else its drop record: {"reason", and the
     flags of every grading (`grade_flags`)}."""
-    from atelier.tasks.loader import load_task
-    from atelier.tasks.validate import check_task, grade_flags, reason
-
     try:
         check = check_task(load_task(task_dir), runs, backend=backend, cache_dir=str(envs))
     except TaskError as exc:
@@ -209,8 +210,6 @@ def _validation_drop(task_dir: Path, runs: int, backend: str, envs: Path) -> dic
 
 
 def _done(task_dir: Path) -> bool:
-    from atelier.tasks.loader import load_task
-
     if not (task_dir / "task.toml").is_file():
         return False
     try:
@@ -238,8 +237,6 @@ class _Builder:
             self._progress(n, msg)
 
     def release(self, entry: ReleaseEntry) -> EntryResult:
-        from atelier.tasks import release
-
         res = EntryResult(entry.key, "release", entry.split)
         final = self.out / entry.task_id
         try:
@@ -293,8 +290,6 @@ class _Builder:
     def mutation(self, entry: MutationEntry, count: int) -> EntryResult:
         # Long on purpose: `accept` and `on_progress` are closures over this entry's result and counters,
         # handed to build_mutation_tasks; the batch edge (the broad except) belongs with them.
-        from atelier.tasks.mutation_tasks import (MutationBuildError, build_mutation_tasks,
-                                                  sandbox_pytest_runner)
 
         res = EntryResult(entry.key, "mutation", entry.split)
         slug = re.sub(r"[^A-Za-z0-9._-]+", "-", entry.key).strip("-")
@@ -390,9 +385,6 @@ def build_suite(spec: Spec, out: str | Path, *, only: Literal["release", "mutati
 
 def write_index(spec: Spec, out: Path, state: _State | None = None) -> list[str]:
     """`<out>/index.toml`: every task of the spec built so far, with its split."""
-    from atelier.config import dump_config
-    from atelier.tasks.loader import INDEX_FILE, SuiteIndex
-
     state = state or _State(out)
     tasks: dict[str, str] = {}
     for r in spec.spec.release:

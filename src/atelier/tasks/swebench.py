@@ -54,8 +54,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from atelier.compat import tomllib
 from atelier.tasks import pytest_ini
 from atelier.tasks.declared_deps import declared_requirements
+from atelier.tasks.release import runtime_requirements
 from atelier.tasks.schema import PythonEnv, Task, TaskError, TaskMetadata, TaskSpec
 from atelier.tasks.stats import patch_stats
+from atelier.tasks.writer import write_task
 
 REQUIRED = ("instance_id", "repo", "base_commit", "patch", "test_patch", "problem_statement",
             "FAIL_TO_PASS", "PASS_TO_PASS")
@@ -94,8 +96,6 @@ def load_env_specs(path: str | Path | None) -> dict[str, EnvSpec]:
 def instance_env(inst: "Instance", base: Path, specs: dict[str, EnvSpec]) -> tuple[PythonEnv, str]:
     """The instance's environment and a note on where it came from: its
     `--env-spec` entry, else what the snapshot at `base` declares."""
-    from atelier.tasks.release import runtime_requirements
-
     for key in (f"{inst.repo}@{inst.version}", inst.repo):
         if key in specs:
             spec = specs[key]
@@ -210,8 +210,6 @@ def _git(mirror: Path, *args: str, **kw: Any) -> subprocess.CompletedProcess:
 def import_instance(inst: Instance, repos_dir: str | Path, out_dir: str | Path,
                     *, overwrite: bool = False, env_specs: dict[str, EnvSpec] | None = None) -> Task:
     """Write `inst` as the task `out_dir/<instance_id>` and return it loaded."""
-    from atelier.tasks.writer import write_task
-
     iid = inst.instance_id
     mirror = mirror_path(Path(repos_dir), inst.repo)
     if mirror is None:

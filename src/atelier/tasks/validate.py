@@ -22,6 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable
 
+from atelier.config import ConfigError, load_config
+from atelier.tasks.grade import grade
+from atelier.tasks.loader import INDEX_FILE, TASK_FILE, SuiteIndex, load_task
 from atelier.tasks.schema import Task, TaskError
 
 
@@ -112,9 +115,6 @@ def summarize(results: Iterable[TaskCheck]) -> dict:
 def task_dirs(path: str | Path) -> list[Path]:
     """`path` itself when it is a task (holds task.toml), else the suite's
     task directories (its index.toml, or every subdirectory with a task.toml)."""
-    from atelier.config import ConfigError, load_config
-    from atelier.tasks.loader import INDEX_FILE, TASK_FILE, SuiteIndex
-
     root = Path(path).resolve()
     if (root / TASK_FILE).is_file():
         return [root]
@@ -154,8 +154,6 @@ def check_task(task: Task, runs: int = 3, *, backend: str = "bwrap",
     run side by side: building the demo's 24 tasks (each validated with 3
     gold runs) took 88 s on two cores, against 130 s one at a time, and
     built the same tasks."""
-    from atelier.tasks.grade import grade
-
     def run(patch: str) -> RunOutcome:
         return _outcome(grade(task, patch, backend=backend, cache_dir=cache_dir))
 
@@ -172,8 +170,6 @@ def validate(path: str | Path, runs: int = 3, *, backend: str = "bwrap",
              on_task: Callable[[TaskCheck], None] | None = None) -> list[TaskCheck]:
     """Check every task under `path` (a task or a suite); `on_task` is
     called after each one (progress)."""
-    from atelier.tasks.loader import load_task
-
     if runs < 1:
         raise TaskError(f"--runs must be at least 1, got {runs}", hint="use --runs 3")
     checks = []

@@ -16,7 +16,6 @@ from atelier.tasks.loader import TASK_FILE, load_task
 from atelier.tasks.schema import Task, TaskError, TaskSpec
 
 
-
 def write_task(out_dir: str | Path, spec: TaskSpec, repo: str | Path,
                hidden_tests: Mapping[str, str | bytes], gold_patch: str,
                *, overwrite: bool = False) -> Task:

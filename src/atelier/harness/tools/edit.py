@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 
 from atelier.harness.errors import ToolError
-from atelier.harness.tools import Tool, ToolContext, obj, rel
+from atelier.harness.tools.base import Tool, ToolContext, obj, rel
 from atelier.harness.tools.files import numbered, read_text
 
 SNIPPET_CONTEXT = 3

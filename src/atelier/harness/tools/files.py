@@ -6,7 +6,7 @@ import re
 from functools import lru_cache
 
 from atelier.harness.errors import ToolError
-from atelier.harness.tools import Tool, ToolContext, in_workspace, obj, rel
+from atelier.harness.tools.base import Tool, ToolContext, in_workspace, obj, rel
 from atelier.sandbox.base import SandboxPathError
 
 STR, INT = {"type": "string"}, {"type": "integer", "minimum": 1}

@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from atelier.harness.errors import ToolError
-from atelier.harness.tools import Tool, ToolContext, in_workspace, obj, rel
+from atelier.harness.tools.base import Tool, ToolContext, in_workspace, obj, rel
 
 CHUNK_LINES = 40
 MAX_FILE_BYTES = 256 * 1024
@@ -25,7 +25,8 @@ MAX_FILES = 5000
 K1, B = 1.2, 0.75
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|\d+")
 _PART = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|\d+")
-_DOTTED = re.compile(r"(?:(?<=\\[b<])|(?<![\w\\]))[A-Za-z_]\w*(?:\\?\.[A-Za-z_]\w*)+")  # not after an escape but \b or \<
+# not after an escape but \b or \<
+_DOTTED = re.compile(r"(?:(?<=\\[b<])|(?<![\w\\]))[A-Za-z_]\w*(?:\\?\.[A-Za-z_]\w*)+")
 _STOP = frozenset("the a an of to in and or is are for on with where what how which does do be by it this that".split())
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from atelier.harness.errors import Submitted, ToolError
-from atelier.harness.tools import Tool, ToolContext, cap, obj
+from atelier.harness.tools.base import Tool, ToolContext, cap, obj
 from atelier.sandbox.memory import allocation_failed
 
 # Bytecode caches would show up in the final diff as binary files.
