@@ -88,6 +88,7 @@ from typing import Any, Protocol
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
@@ -95,6 +96,7 @@ from atelier.errors import AtelierError, InfraError
 from atelier.inference import openai_replies as replies
 from atelier.inference.access import RequireApiKey, load_weights
 from atelier.inference.engine import EngineBusy
+from atelier.inference.openai_replies import split_tool_calls, visible_text  # noqa: F401  (re-exported)
 from atelier.inference.openai_requests import (
     BadRequest,
     ChatRequest,
@@ -104,7 +106,6 @@ from atelier.inference.openai_requests import (
     validation_message,
     with_limits,
 )
-from atelier.inference.openai_replies import split_tool_calls, visible_text  # noqa: F401  (re-exported)
 from atelier.inference.routes import encode_routes
 from atelier.inference.streaming import Choice, stream, submit_all
 from atelier.inference.types import Generation, SamplingParams
@@ -160,8 +161,6 @@ def create_app(engine: ServedEngine, *, api_key: str | None = None, weights_dir:
 def _openapi_with_limits(app: FastAPI, engine: ServedEngine) -> dict[str, Any]:
     """FastAPI's schema of `app`, with this engine's limits (`with_limits`)."""
     if app.openapi_schema is None:
-        from fastapi.openapi.utils import get_openapi
-
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         app.openapi_schema = with_limits(schema, engine.max_seq_len, len(engine.tokenizer))
     return app.openapi_schema

@@ -121,9 +121,9 @@ from atelier.sandbox.base import (
 from atelier.sandbox.cgroups import SandboxCgroup
 from atelier.sandbox.hostfs import SANDBOX_PATH, generated_etc_files, runtime_dir, system_bind_args
 from atelier.sandbox.layers import Layer
-from atelier.sandbox.snapshot import check_snapshot, copy_failure
 from atelier.sandbox.process import run_process
 from atelier.sandbox.rootmap import Stage, acting_as, check_mapped, running_as_root
+from atelier.sandbox.snapshot import check_snapshot, copy_failure
 
 log = logging.getLogger(__name__)
 

@@ -18,6 +18,8 @@ import subprocess
 from dataclasses import dataclass
 from typing import Iterator
 
+from atelier.sandbox.base import SandboxLimitExceeded, SandboxPathError
+
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -118,8 +120,6 @@ def entry_beneath(root_fd: int, relpath: str) -> Entry | None:
     except (FileNotFoundError, NotADirectoryError):
         return None
     except PermissionError:
-        from atelier.sandbox.base import SandboxPathError
-
         raise SandboxPathError(f"cannot read {relpath!r} to compare it: permission denied",
                                hint="a file only its owner may read cannot be diffed by another user") from None
     except OSError as exc:
@@ -135,8 +135,6 @@ def walk(root_fd: int, prefix: str = "") -> Iterator[tuple[str, os.DirEntry, int
 
     Iterative, so a tree of any depth is walked; it holds one descriptor per
     level, and a tree deeper than the open-files limit is refused."""
-    from atelier.sandbox.base import SandboxLimitExceeded
-
     stack: list[tuple[int | None, Iterator[os.DirEntry], str]] = [(None, _sorted_entries(root_fd), prefix)]
     try:
         while stack:

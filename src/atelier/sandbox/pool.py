@@ -66,8 +66,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from atelier.sandbox.base import (Sandbox, SandboxClosed, SandboxConfig, SandboxError, SnapshotMissing,
-                                  SnapshotUnusable)
+from atelier.sandbox.base import Sandbox, SandboxClosed, SandboxConfig, SandboxError, SnapshotMissing, SnapshotUnusable
 from atelier.sandbox.factory import create_sandbox
 from atelier.sandbox.pressure import (
     CpuPressure,
