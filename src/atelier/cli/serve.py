@@ -37,6 +37,11 @@ def serve(
     weights_dir: Optional[Path] = typer.Option(
         None, "--enable-weight-updates", metavar="DIR", file_okay=False,
         help="Turn POST /v1/weights on, loading only safetensors files under DIR (off: 404)."),
+    threads: Optional[int] = typer.Option(
+        None, "--threads", min=1, help="CPU threads per engine step (default: chosen per step, as many as pay)."),
+    compile: Optional[bool] = typer.Option(
+        None, "--compile/--no-compile", help="Build the decode kernels with torch.compile (default: where a "
+                                             "C++ compiler is found)."),
 ) -> None:
     """Serve MODEL over HTTP: /v1/chat/completions and /v1/completions (OpenAI, streaming,
     logprobs, echo), /v1/models, /v1/generate (token ids), /health, and /v1/weights when
@@ -60,8 +65,12 @@ def serve(
     if exposed(host) and not api_key:
         typer.echo(f"warning: serving on {host} without an API key: anyone who reaches port {port} can use "
                    "the model; pass --api-key KEY (or set ATELIER_API_KEY)", err=True)
+    from atelier.train.devices import return_freed_memory
+
+    return_freed_memory()   # a request's large activations go back to the OS when it ends
     with open_model(model, device=device, dtype=dtype, max_batch=max_batch, kv_cache_tokens=kv_cache_tokens,
-                    prefix_cache_tokens=prefix_cache_tokens, max_queue=max_queue) as engine:
+                    prefix_cache_tokens=prefix_cache_tokens, max_queue=max_queue, threads=threads,
+                    compile=compile) as engine:
         typer.echo(f"serving {engine.name} ({str(engine.dtype).removeprefix('torch.')}, KV "
                    f"{engine.kv_bytes / 2**20:.0f} MiB for {engine.kv_cache_tokens} tokens) on "
                    f"http://{host}:{port}/v1{', API key required' if api_key else ''}"
