@@ -14,7 +14,7 @@ from atelier.inference.attention import MAX_GROUPS, SHORT, decode_attention, dec
 from atelier.inference.engine import LocalEngine
 from atelier.inference.forward import MAX_RUNS, BatchedForward, PackedLinear, can_pack, runs
 from atelier.inference.prefix_cache import BlockPool
-from atelier.inference.threads import PROBE_FIRST, StepThreads
+from atelier.inference.threads import PROBE_FIRST, SUSTAINED, StepThreads
 from atelier.inference.types import SamplingParams
 from tests.inference.conftest import generate_concurrently
 
@@ -257,7 +257,8 @@ def test_step_threads_probe_the_other_count_and_keep_the_faster(monkeypatch):
 
 
 def test_step_threads_drop_to_one_when_the_cores_are_wanted(monkeypatch):
-    """Waiting for a core more than a tenth of the time (run-queue delay) means one thread."""
+    """Waiting for a core more than a tenth of the time (run-queue delay), window after window,
+    means one thread; one contended window among quiet ones does not."""
     clock, waited = [1000.0], [0]
     monkeypatch.setattr("atelier.inference.threads.time.monotonic", lambda: clock[0])
     monkeypatch.setattr("atelier.inference.threads.run_queue_wait_ns", lambda tid: waited[0])
@@ -266,6 +267,15 @@ def test_step_threads_drop_to_one_when_the_cores_are_wanted(monkeypatch):
     clock[0] += 1.0
     waited[0] += int(0.05e9)                          # 5% of a second: fine
     assert policy.choose(4) == 2
+    clock[0] += 1.0
+    waited[0] += int(0.3e9)                           # one burst: still two
+    assert policy.choose(4) == 2
+    clock[0] += 1.0
+    assert policy.choose(4) == 2
+    for _ in range(SUSTAINED - 1):
+        clock[0] += 1.0
+        waited[0] += int(0.3e9)
+        assert policy.choose(4) == 2
     clock[0] += 1.0
     waited[0] += int(0.3e9)
     assert policy.choose(4) == 1

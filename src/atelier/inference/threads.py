@@ -14,9 +14,13 @@ halve a step's matrix products. But two things make them far slower than one:
 
 `StepThreads` chooses per step between one thread and torch's thread count:
 
-- on more than one, it drops to one as soon as the engine's thread spent more
-  than `CONTENDED` of the last `WINDOW` runnable but waiting for a core (its
-  run-queue delay in `/proc/self/task/<tid>/schedstat`, where Linux has it);
+- on more than one, it drops to one when the engine's thread spent more than
+  `CONTENDED` of each of `SUSTAINED` windows of `WINDOW` seconds in a row
+  runnable but waiting for a core (its run-queue delay in
+  `/proc/self/task/<tid>/schedstat`, where Linux has it). One window is not
+  enough: a short burst elsewhere (a process starting, a log flush) makes a
+  single window look contended, and a drop it causes costs seconds of slow
+  steps until a probe wins the count back;
 - and it *probes*: now and then one decode step runs on the other count, and
   when that step is `GAIN` faster than the median of the last steps of the
   same batch size on the current count, the other count becomes current. A
@@ -37,6 +41,7 @@ import torch
 
 WINDOW = 0.5
 CONTENDED = 0.10
+SUSTAINED = 3   # contended windows in a row before dropping to one thread
 GAIN = 0.85
 PROBE_FIRST = 2.0
 PROBE_LAST = 120.0
@@ -87,6 +92,7 @@ class StepThreads:
         self._probing = False
         self._tid: int | None = None
         self._window: tuple[float, int] | None = None
+        self._contended = 0   # contended windows in a row
 
     @property
     def adaptive(self) -> bool:
@@ -129,8 +135,8 @@ class StepThreads:
         self._next_probe = time.monotonic() + PROBE_FIRST
 
     def _watch_run_queue(self) -> None:
-        """Drop to one thread when this thread waited for a core more than `CONTENDED` of the last
-        window."""
+        """Drop to one thread when this thread waited for a core more than `CONTENDED` of each of
+        the last `SUSTAINED` windows."""
         now = time.monotonic()
         if self._window is not None and now - self._window[0] < WINDOW:
             return
@@ -141,6 +147,8 @@ class StepThreads:
             return
         if self._window is not None and self.current > 1:
             waited = (wait - self._window[1]) / 1e9 / (now - self._window[0])
-            if waited > CONTENDED:
+            self._contended = self._contended + 1 if waited > CONTENDED else 0
+            if self._contended >= SUSTAINED:
+                self._contended = 0
                 self._switch(1)
         self._window = (now, wait)
