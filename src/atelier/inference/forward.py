@@ -250,6 +250,17 @@ class Shape(NamedTuple):
     block: int
 
 
+class FlatBatch(NamedTuple):
+    """Tokens of several sequences as one row: ids and positions [1, N], pool rows [N], and per
+    sequence `(offset, count, plan, mask)` (plan None: it starts at 0, attention is causal over its
+    own tokens)."""
+
+    ids_1N: torch.Tensor
+    pos_1N: torch.Tensor
+    rows_N: torch.Tensor
+    plans: list
+
+
 def block(layer: Layer, shape: Shape, x_BTM: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
           attend) -> torch.Tensor:
     """One decoder layer; `attend(q, k, v)` keeps k and v and returns attention [B, H, T, D]."""
@@ -318,12 +329,14 @@ def compiled_decode_layer() -> Callable:
 class BatchedForward:
     """Prefill and decode over a Hugging Face Llama-family causal LM, keys and values in a `PagedKV`.
 
-    `compile` (None: where a compiler is found) runs decode's layers as a kernel `torch.compile`
+    `extra_kv_layers` adds pool layers after the model's (the MTP heads' blocks keep their keys
+    there, `speculative.DraftHeads`). `compile` (None: where a compiler is found) runs decode's layers as a kernel `torch.compile`
     builds (one graph serves every layer: compiling takes seconds, not minutes); False runs the
     same arithmetic eagerly (`attention.py`).
     """
 
-    def __init__(self, hf_model, kv_blocks: int, block: int, compile: bool | None = None) -> None:
+    def __init__(self, hf_model, kv_blocks: int, block: int, compile: bool | None = None,
+                 extra_kv_layers: int = 0) -> None:
         config = hf_model.config
         if config.model_type not in SUPPORTED_TYPES or getattr(config, "sliding_window", None) and \
                 config.model_type in ("mistral", "mixtral"):
@@ -353,7 +366,8 @@ class BatchedForward:
         if any(layer.gate_up is None for layer in self.layers):
             self.router = RouterReplay(hf_model)   # observes only: what each router chose, per call
         routes = None if self.router is None else (self.router.num_layers, self.router.top_k)
-        self.kv = PagedKV(len(self.layers), kv_blocks, block, self.kv_heads, self.head_dim,
+        # `extra_kv_layers`: pool layers past the model's, for the MTP heads' blocks (speculative.py)
+        self.kv = PagedKV(len(self.layers) + extra_kv_layers, kv_blocks, block, self.kv_heads, self.head_dim,
                           param.dtype, param.device, routes)
         self.attention = PagedDecodeAttention(param.device, compile)
         self.shape = Shape(self.heads, self.kv_heads, self.head_dim, float(self.scaling), block)
@@ -472,6 +486,26 @@ class BatchedForward:
         every matrix multiply; attention runs per sequence: causal over its own new keys when it
         starts at 0, else over its blocks (in place when they are consecutive, else gathered).
         """
+        batch = self.flat_batch(seqs)
+        x_1NM = self.run_layers(batch, self.core.embed_tokens(batch.ids_1N), enumerate(self.layers))
+        self._record_routes(batch.rows_N)
+        last = torch.tensor([off + n - 1 for off, n, _, _ in batch.plans], device=self.device)
+        kept = [x_1NM[0, batch.plans[i][0]:batch.plans[i][0] + batch.plans[i][1]] for i in keep]
+        return self._logits(x_1NM[0, last]), kept
+
+    @torch.inference_mode()
+    def verify(self, seqs: list[tuple[list[int], int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`prefill` of a few tokens per sequence (a speculative step's last token and drafts),
+        returning every computed position's logits [N, V] (fp32) and final hidden states [N, M],
+        sequence after sequence."""
+        batch = self.flat_batch(seqs)
+        x_1NM = self.run_layers(batch, self.core.embed_tokens(batch.ids_1N), enumerate(self.layers))
+        self._record_routes(batch.rows_N)
+        return self._logits(x_1NM[0]), x_1NM[0]
+
+    def flat_batch(self, seqs: list[tuple[list[int], int, list[int]]]) -> FlatBatch:
+        """Positions `start:` of every `(tokens, start, table)` as one flat batch, with each
+        sequence's attention plan (see `prefill_keeping`)."""
         ids, pos, rows, spans = [], [], [], []
         for tokens, start, table in seqs:
             n = len(tokens) - start
@@ -480,9 +514,6 @@ class BatchedForward:
             pos += range(start, len(tokens))
             rows += self.kv.rows(table, start, len(tokens))
         dev, dtype = self.device, self.core.embed_tokens.weight.dtype
-        ids_1N = torch.tensor(ids, dtype=torch.long, device=dev)[None]
-        pos_1N = torch.tensor(pos, dtype=torch.long, device=dev)[None]
-        rows_N = torch.tensor(rows, dtype=torch.long, device=dev)
         plans = []
         for off, n, start, table in spans:
             if start == 0:
@@ -494,11 +525,17 @@ class BatchedForward:
             hidden = torch.arange(start + n, device=dev)[None, :] > torch.arange(start, start + n, device=dev)[:, None]
             mask_11NT = torch.zeros(hidden.shape, dtype=dtype, device=dev).masked_fill_(hidden, float("-inf"))
             plans.append((off, n, self._plan(table, start + n), mask_11NT[None, None]))
+        return FlatBatch(torch.tensor(ids, dtype=torch.long, device=dev)[None],
+                         torch.tensor(pos, dtype=torch.long, device=dev)[None],
+                         torch.tensor(rows, dtype=torch.long, device=dev), plans)
 
+    def run_layers(self, batch: FlatBatch, x_1NM: torch.Tensor, layers) -> torch.Tensor:
+        """`x_1NM` through `(i, layer)` pairs in order, layer i's keys and values stored at the
+        batch's rows of the pool's layer i and attended over as the batch's plans say."""
         def attend(i, q, k, v):
-            self._store(i, rows_N, k[0], v[0])
+            self._store(i, batch.rows_N, k[0], v[0])
             outs = []
-            for off, n, plan, mask in plans:
+            for off, n, plan, mask in batch.plans:
                 q_b = q[:, :, off:off + n]
                 if plan is None:
                     out = F.scaled_dot_product_attention(q_b, k[:, :, off:off + n], v[:, :, off:off + n],
@@ -510,14 +547,10 @@ class BatchedForward:
                 outs.append(out)
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
-        x_1NM = self.core.embed_tokens(ids_1N)
-        cos, sin = self._rope(x_1NM, pos_1N)
-        for i, layer in enumerate(self.layers):
+        cos, sin = self._rope(x_1NM, batch.pos_1N)
+        for i, layer in layers:
             x_1NM = block(layer, self.shape, x_1NM, cos, sin, partial(attend, i))
-        self._record_routes(rows_N)
-        last = torch.tensor([off + n - 1 for off, n, _, _ in plans], device=dev)
-        kept = [x_1NM[0, plans[i][0]:plans[i][0] + plans[i][1]] for i in keep]
-        return self._logits(x_1NM[0, last]), kept
+        return x_1NM
 
     @torch.inference_mode()
     def score(self, hidden_NM: torch.Tensor, targets: list[int], temperature: float, top: int
@@ -599,8 +632,8 @@ class BatchedForward:
     def _store_all(self, rows_B: torch.Tensor, k_LBHD: torch.Tensor, v_LBHD: torch.Tensor) -> None:
         """Every layer's new keys and values into the pool at rows `rows_B`: one copy each over the
         pool seen as rows of D (an index along its third dimension was far slower)."""
-        L, Hkv, R, D = self.kv.k_LHRD.shape
-        B = rows_B.shape[0]
+        _, Hkv, R, D = self.kv.k_LHRD.shape
+        L, B = k_LBHD.shape[0], rows_B.shape[0]
         at_LBH = (torch.arange(L, device=rows_B.device).view(L, 1, 1) * (Hkv * R)
                   + torch.arange(Hkv, device=rows_B.device).view(1, 1, Hkv) * R + rows_B.view(1, B, 1))
         self.kv.k_LHRD.view(-1, D).index_copy_(0, at_LBH.view(-1), k_LBHD.reshape(-1, D))
