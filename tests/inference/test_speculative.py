@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import threading
 
+import httpx
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -16,6 +17,7 @@ from atelier.inference.speculative import SpeculationPolicy
 from atelier.inference.types import SamplingParams
 from atelier.mtp.heads import MTPHeads
 from atelier.mtp.store import save_mtp_heads
+from tests.inference.conftest import serving
 
 PROMPTS = [[1, 5, 9, 13, 2], [3, 3, 8], [7, 1, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 33, 35]]
 
@@ -188,3 +190,27 @@ def test_policy_keeps_the_faster_kind_of_step(monkeypatch):
     policy.record(False, 4, 0.012, 4)                # 3 ms a token: plain wins
     assert not policy.choose(4) and policy.switches == 1
     assert not SpeculationPolicy(False, 16).choose(1)
+
+
+def test_vllm_refuses_heads_it_cannot_load(heads_dir):
+    """vLLM drafts only with MTP layers of the architectures it knows: atelier's heads on a Llama
+    get a typed error naming the way out, and no flag reaches a server."""
+    from atelier.inference.vllm_server import SpeculationUnsupported, VLLMConfig, speculative_args
+
+    assert speculative_args(VLLMConfig(), heads_dir) == []
+    with pytest.raises(SpeculationUnsupported, match="mtp.json") as caught:
+        speculative_args(VLLMConfig(speculative_tokens=2), heads_dir)
+    assert "built-in engine" in caught.value.hint
+
+
+def test_serve_speculates_through_the_openai_api(agreeing_dir, spiky_model_dir):
+    """`atelier serve`'s engine with heads answers completions as the plain engine does (greedy)."""
+    body = {"model": "m", "prompt": [PROMPTS[2]], "max_tokens": 20, "temperature": 0, "logprobs": 1}
+    answers = []
+    for path, spec in ((spiky_model_dir, False), (agreeing_dir, True)):
+        with LocalEngine(path, dtype="float32", compile=False, speculate=spec, name="m") as engine, \
+                serving(engine) as url:
+            answers.append(httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0])
+            assert engine.stats["speculative_steps"] > 0 if spec else engine.stats["speculative_steps"] == 0
+    assert answers[0]["text"] == answers[1]["text"]
+    assert answers[0]["logprobs"]["tokens"] == answers[1]["logprobs"]["tokens"]

@@ -352,6 +352,11 @@ class LocalEngine:
         return self.pool
 
     @property
+    def speculates(self) -> bool:
+        """Whether the engine has MTP heads to speculate with (speculative.py)."""
+        return self._heads is not None
+
+    @property
     def kv_bytes(self) -> int:
         """Bytes of KV memory the engine holds: the budget, allocated once."""
         return self._forward.kv.nbytes
