@@ -357,6 +357,12 @@ class LocalEngine:
         return self._heads is not None
 
     @property
+    def speculation(self) -> SpeculationPolicy:
+        """The policy that decides per step whether to speculate; its `mode` ("auto", "always",
+        "never") may be set between requests."""
+        return self._speculation
+
+    @property
     def kv_bytes(self) -> int:
         """Bytes of KV memory the engine holds: the budget, allocated once."""
         return self._forward.kv.nbytes

@@ -283,7 +283,8 @@ def decode_layer(layer: Layer, shape: Shape, k_KRD: torch.Tensor, v_KRD: torch.T
                  attention: Callable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One layer of a decode step over a batch sorted longest first: the layer's output and its new
     keys and values [B, Hkv, D] (stored by the caller, after every layer). `groups`: each group's
-    padded block tables and lengths, in batch order; `attention`: `decode_attention` or a callable
+    padded block tables, cached lengths and sibling rows (None: none; see `decode_attention`), in
+    batch order; `attention`: `decode_attention` or a callable
     with its signature. What `torch.compile` compiles, once for all layers."""
     B = x_B1M.shape[0]
     H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
@@ -294,10 +295,10 @@ def decode_layer(layer: Layer, shape: Shape, k_KRD: torch.Tensor, v_KRD: torch.T
         new.extend((k_BHD, v_BHD))
         q_BKGD = (q[:, :, 0].float() * shape.scaling).view(B, Hkv, H // Hkv, D)
         outs, start = [], 0
-        for table, length in groups:
+        for table, length, siblings in groups:
             end = start + table.shape[0]
             outs.append(attention(q_BKGD[start:end], k_BHD[start:end], v_BHD[start:end], k_KRD, v_KRD,
-                                  table, length, shape.block))
+                                  table, length, shape.block, siblings))
             start = end
         out_BKGD = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out_BKGD.view(B, H, 1, D).to(q.dtype)
@@ -493,16 +494,6 @@ class BatchedForward:
         kept = [x_1NM[0, batch.plans[i][0]:batch.plans[i][0] + batch.plans[i][1]] for i in keep]
         return self._logits(x_1NM[0, last]), kept
 
-    @torch.inference_mode()
-    def verify(self, seqs: list[tuple[list[int], int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """`prefill` of a few tokens per sequence (a speculative step's last token and drafts),
-        returning every computed position's logits [N, V] (fp32) and final hidden states [N, M],
-        sequence after sequence."""
-        batch = self.flat_batch(seqs)
-        x_1NM = self.run_layers(batch, self.core.embed_tokens(batch.ids_1N), enumerate(self.layers))
-        self._record_routes(batch.rows_N)
-        return self._logits(x_1NM[0]), x_1NM[0]
-
     def flat_batch(self, seqs: list[tuple[list[int], int, list[int]]]) -> FlatBatch:
         """Positions `start:` of every `(tokens, start, table)` as one flat batch, with each
         sequence's attention plan (see `prefill_keeping`)."""
@@ -581,20 +572,52 @@ class BatchedForward:
         group's attention is one kernel call per layer over its padded block tables (see the module
         docstring). The new keys and values are stored after the last layer.
         """
+        return self._logits(self._decode_rows(tokens, positions, tables))
+
+    @torch.inference_mode()
+    def verify(self, seqs: list[tuple[list[int], int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions `start:` of each `(tokens, start, table)` (a speculative step's last token and
+        drafts) computed as one decode step whose rows of a sequence see each other causally;
+        returns every row's logits [N, V] (fp32) and final hidden states [N, M], sequence after
+        sequence."""
+        tokens, positions, tables, cached, seq_of = [], [], [], [], []
+        for s, (toks, start, table) in enumerate(seqs):
+            for p in range(start, len(toks)):
+                tokens.append(toks[p])
+                positions.append(p)
+                tables.append(table)
+                cached.append(start)
+                seq_of.append(s)
+        h_NM = self._decode_rows(tokens, positions, tables, cached, seq_of)
+        return self._logits(h_NM), h_NM
+
+    def _decode_rows(self, tokens: list[int], positions: list[int], tables: list[list[int]],
+                     cached: list[int] | None = None, seq_of: list[int] | None = None) -> torch.Tensor:
+        """The final hidden states [B, M] (caller's order) of a decode step: row b's token at
+        `positions[b]` over the `cached[b]` positions its sequence has in the cache (default: all
+        before it) and, with `seq_of`, the earlier rows of the same sequence."""
         B = len(tokens)
         S = self.kv.block
         dev = self.device
-        order = sorted(range(B), key=lambda b: -positions[b])
-        lengths = [positions[b] for b in order]
+        cached = positions if cached is None else cached
+        seq = seq_of or list(range(B))   # plain decode: every row a sequence of its own
+        order = sorted(range(B), key=lambda b: (-cached[b], seq[b], positions[b]))
+        lengths = [cached[b] for b in order]
         ids_B1 = torch.tensor([tokens[b] for b in order], dtype=torch.long, device=dev)[:, None]
-        pos_B1 = torch.tensor(lengths, dtype=torch.long, device=dev)[:, None]
-        rows_B = torch.tensor([tables[b][p // S] * S + p % S for b, p in zip(order, lengths)], dtype=torch.long,
-                              device=dev)
+        pos_B1 = torch.tensor([positions[b] for b in order], dtype=torch.long, device=dev)[:, None]
+        len_B = torch.tensor(lengths, dtype=torch.long, device=dev)
+        rows_B = torch.tensor([tables[b][positions[b] // S] * S + positions[b] % S for b in order],
+                              dtype=torch.long, device=dev)
         groups = []
-        for start, end in length_groups(lengths):
-            width = lengths[start] // S + 1       # blocks that hold the group's longest past
+        for start, end in self._whole_sequences(length_groups(lengths), [seq[b] for b in order]):
+            width = max(positions[b] for b in order[start:end]) // S + 1   # blocks of the group's longest past
             padded = [tables[b][:width] + [0] * (width - min(width, len(tables[b]))) for b in order[start:end]]
-            groups.append((torch.tensor(padded, dtype=torch.long, device=dev), pos_B1[start:end, 0]))
+            siblings = None
+            if seq_of is not None:
+                ids = torch.tensor([seq[b] for b in order[start:end]], device=dev)
+                at = pos_B1[start:end, 0]
+                siblings = (ids[:, None] == ids[None, :]) & (at[None, :] <= at[:, None])
+            groups.append((torch.tensor(padded, dtype=torch.long, device=dev), len_B[start:end], siblings))
         self.stats["decode_groups"] += len(groups)
         x_B1M = self.core.embed_tokens(ids_B1)
         cos, sin = self._rope(x_B1M, pos_B1)
@@ -609,17 +632,31 @@ class BatchedForward:
             back = torch.empty(B, dtype=torch.long)
             back[torch.tensor(order)] = torch.arange(B)
             x_B1M = x_B1M[back.to(dev)]
-        return self._logits(x_B1M[:, 0])
+        return x_B1M[:, 0]
+
+    @staticmethod
+    def _whole_sequences(groups: list[tuple[int, int]], seq: list[int]) -> list[tuple[int, int]]:
+        """`groups` with every cut moved back to where its sequence's rows begin (a sequence's rows
+        attend to each other, so they share a group)."""
+        cuts = []
+        for start, _ in groups:
+            while 0 < start and seq[start - 1] == seq[start]:
+                start -= 1
+            if not cuts or start > cuts[-1]:
+                cuts.append(start)
+        return list(zip(cuts, cuts[1:] + [len(seq)]))
 
     def _decode_layer_call(self, layer: Layer, i: int, x_B1M, cos, sin, groups):
         """Layer i of a decode step, compiled where it can be (a dense layer, a compiler)."""
         args = (layer, self.shape, self.kv.k_LHRD[i], self.kv.v_LHRD[i], x_B1M, cos, sin, groups)
         if self._compiled_layer is None or layer.moe is not None:
             return decode_layer(*args, self.attention)
-        for t in (x_B1M, cos, sin, *(t for group in groups for t in group)):
+        for t in (x_B1M, cos, sin, *(t for group in groups for t in group if t is not None)):
             torch._dynamo.maybe_mark_dynamic(t, 0)
-        for table, _ in groups:
+        for table, _, siblings in groups:
             torch._dynamo.maybe_mark_dynamic(table, 1)
+            if siblings is not None:
+                torch._dynamo.maybe_mark_dynamic(siblings, 1)
         try:
             return self._compiled_layer(*args, decode_attention)
         except Exception as exc:

@@ -133,10 +133,14 @@ COMPARED = 6
 class SpeculationPolicy:
     """Whether the next step speculates (see the module docstring): `choose(batch)` before a step,
     `record(speculated, batch, seconds, tokens)` after it. `enabled` False: never; `max_batch`: no
-    speculation above it."""
+    speculation above it. `mode` "auto" measures; "always" and "never" fix the choice (what a
+    benchmark compares)."""
+
+    MODES = ("auto", "always", "never")
 
     def __init__(self, enabled: bool, max_batch: int) -> None:
         self.enabled, self.max_batch = enabled, max_batch
+        self.mode = "auto"
         self._current: dict[int, bool] = {}
         self._recent: dict[tuple[int, bool], deque[float]] = {}
         self._next_probe: dict[int, float] = {}
@@ -149,7 +153,11 @@ class SpeculationPolicy:
         return max(1, batch).bit_length()
 
     def choose(self, batch: int) -> bool:
-        if not self.enabled or batch > self.max_batch:
+        if not self.enabled or self.mode == "never":
+            return False
+        if self.mode == "always":
+            return True
+        if batch > self.max_batch:
             return False
         key, now = self.bucket(batch), time.monotonic()
         current = self._current.setdefault(key, True)
@@ -161,7 +169,7 @@ class SpeculationPolicy:
         return current
 
     def record(self, speculated: bool, batch: int, seconds: float, tokens: int) -> None:
-        if not self.enabled or batch > self.max_batch or tokens <= 0:
+        if not self.enabled or self.mode != "auto" or batch > self.max_batch or tokens <= 0:
             return
         key = self.bucket(batch)
         per_token = seconds / tokens
