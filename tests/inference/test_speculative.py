@@ -88,6 +88,20 @@ def test_greedy_output_is_the_models_with_and_without_speculation(which, compile
         assert stats["speculative_steps"] < sum(len(g.token_ids) for g in got) / 2
 
 
+def test_drafts_from_part_of_the_vocabulary_keep_the_output_exact(roughly_agreeing_dir, monkeypatch):
+    """Heads that draft from the first 64 token ids only: greedy and sampled tokens as without
+    speculation (a draft outside them is never made; every emitted token is the model's)."""
+    monkeypatch.setattr("atelier.inference.speculative.DRAFT_VOCAB", 64)
+    runs = {}
+    for spec in (False, True):
+        with LocalEngine(roughly_agreeing_dir, dtype="float32", compile=False, speculate=spec) as engine:
+            if spec:
+                assert engine._heads.vocab == 64
+            runs[spec] = [engine.generate(p, SamplingParams(max_tokens=25, temperature=0.0, stop_token_ids=(-1,)))
+                          .token_ids for p in PROMPTS]
+    assert runs[True] == runs[False]
+
+
 def test_rejection_sampling_is_exact():
     """Speculative samples of one position are distributed as the target, whatever the draft
     distribution (chi-square, fixed seeds): the drafted token's and the correction's share."""

@@ -552,6 +552,8 @@ class LocalEngine:
                 for key, value in update.tensors.items():
                     self._targets[key].copy_(value.to(self._targets[key].device))
             self._forward.refresh_weights()
+            if self._heads is not None:   # they draft through the model's (changed) vocabulary rows
+                self._heads.refresh_weights()
             self._version = update.version
         except Exception as exc:
             update.error = exc

@@ -63,16 +63,28 @@ class Drafted(NamedTuple):
     probs: list[torch.Tensor] | None   # each draft's distribution (sampled requests; None: greedy)
 
 
-class DraftHeads:
-    """A model's MTP heads as the engine runs them, beside its `BatchedForward`."""
+DRAFT_VOCAB = 8192
 
-    def __init__(self, mtp, forward: BatchedForward) -> None:
+
+class DraftHeads:
+    """A model's MTP heads as the engine runs them, beside its `BatchedForward`.
+
+    Drafts come from the first `draft_vocab` token ids only: the vocabulary projection is most of
+    a head's cost, and a byte-pair tokenizer numbers its tokens in merge order, so its low ids are
+    the frequent ones (a draft outside them would only ever be a miss; the verification, over the
+    whole vocabulary, keeps the output exact)."""
+
+    def __init__(self, mtp, forward: BatchedForward, draft_vocab: int | None = None) -> None:
         config = forward.model.config
         first = len(forward.layers)
         if forward.kv.k_LHRD.shape[0] < first + len(mtp.heads):
             raise ValueError("the KV pool has no layers for the MTP heads (BatchedForward's extra_kv_layers)")
         self.mtp, self.forward = mtp, forward
         with torch.no_grad():
+            head = forward.model.lm_head
+            self.vocab = min(draft_vocab or DRAFT_VOCAB, head.weight.shape[0])
+            bias = None if head.bias is None else head.bias[:self.vocab]
+            self.lm_head = PackedLinear(head.weight[:self.vocab], bias)
             self.heads = [Head(h.norm_h.weight, h.norm_e.weight, _eps(h.norm_h), PackedLinear(h.proj.weight),
                                BatchedForward._layer(h.block, config), first + k) for k, h in enumerate(mtp.heads)]
 
@@ -81,7 +93,8 @@ class DraftHeads:
 
     @property
     def linears(self) -> list[PackedLinear]:
-        return [lin for h in self.heads for lin in (h.proj, h.layer.qkv, h.layer.o, h.layer.gate_up, h.layer.down)]
+        return [self.lm_head] + [lin for h in self.heads
+                                 for lin in (h.proj, h.layer.qkv, h.layer.o, h.layer.gate_up, h.layer.down)]
 
     def refresh_weights(self) -> None:
         with torch.no_grad():
@@ -106,12 +119,14 @@ class DraftHeads:
             x_NM = head.proj(torch.cat([_norm(head.norm_h, head.eps, h_NM),
                                         _norm(head.norm_e, head.eps, e_NM.to(h_NM.dtype))], dim=-1))
             h_NM = fw.run_layers(batch, x_NM[None], [(head.kv_layer, head.layer)])[0]
-            logits_BV = fw._logits(h_NM[last]).cpu()
+            normed = _norm(fw.core.norm.weight, _eps(fw.core.norm), h_NM[last])
+            logits_BV = self.lm_head(normed).float().cpu()
             for b, (run, row) in enumerate(zip(runs, logits_BV)):
                 if run.temperature < MIN_TEMPERATURE:
                     drafts[b].append(int(row.argmax()))
                     continue
-                q_V = torch.softmax(row / run.temperature, dim=-1)
+                q_V = torch.zeros(fw.model.lm_head.weight.shape[0])
+                q_V[:self.vocab] = torch.softmax(row / run.temperature, dim=-1)
                 drafts[b].append(draw_from(q_V, run.generator))
                 probs[b].append(q_V)
         return [Drafted(d, p if r.temperature >= MIN_TEMPERATURE else None) for d, p, r in zip(drafts, probs, runs)]
