@@ -308,6 +308,7 @@ def decode_layer(layer: Layer, shape: Shape, k_KRD: torch.Tensor, v_KRD: torch.T
 
 
 _compiled_decode_layer = None
+RECOMPILE_LIMIT = 64
 COMPILE_OPTIONS = {
     # Keep q (and any value a reduction reads) in a buffer: inlined, inductor recomputed q's rotary
     # embedding for every key position it attended to, which made the fused layer slower than eager.
@@ -323,6 +324,10 @@ def compiled_decode_layer() -> Callable:
     batch of one or more) serve every layer of every engine with the same shapes."""
     global _compiled_decode_layer
     if _compiled_decode_layer is None:
+        # One graph per thread count, batch of one or more, number of length groups and
+        # verification or plain step: past dynamo's default of 8 graphs a function, it would
+        # run the layer uncompiled from then on.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         _compiled_decode_layer = torch.compile(decode_layer, dynamic=False, options=COMPILE_OPTIONS)
     return _compiled_decode_layer
 
