@@ -336,9 +336,9 @@ class BatchedForward:
     """Prefill and decode over a Hugging Face Llama-family causal LM, keys and values in a `PagedKV`.
 
     `extra_kv_layers` adds pool layers after the model's (the MTP heads' blocks keep their keys
-    there, `speculative.DraftHeads`). `compile` (None: where a compiler is found) runs decode's layers as a kernel `torch.compile`
-    builds (one graph serves every layer: compiling takes seconds, not minutes); False runs the
-    same arithmetic eagerly (`attention.py`).
+    there, `speculative.DraftHeads`). `compile` (None: where a compiler is found) runs decode's
+    layers as a kernel `torch.compile` builds (one graph serves every layer: compiling takes
+    seconds, not minutes); False runs the same arithmetic eagerly (`attention.py`).
     """
 
     def __init__(self, hf_model, kv_blocks: int, block: int, compile: bool | None = None,
