@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import typer
 
-from atelier.cli import agent, base_eval, eval, models, pretrain, rank, report, run, sandbox, serve, tasks, train
+from atelier.cli import agent, base_eval, eval, models, mtp, pretrain, rank, report, run, sandbox, serve, tasks, train
 
 app = typer.Typer(
     name="atelier",
@@ -36,6 +36,7 @@ app.command("agent")(agent.agent)
 app.command("serve")(serve.serve)
 app.command("report")(report.report_cmd)
 app.add_typer(models.models_app, name="models")
+app.add_typer(mtp.mtp_app, name="mtp")
 app.add_typer(tasks.tasks_app, name="tasks")
 app.add_typer(sandbox.sandbox_app, name="sandbox")
 app.command("rank", hidden=True)(rank.rank_cmd)

@@ -24,23 +24,13 @@ def pretrain_cmd(
 ) -> None:
     """Run every phase of RECIPE; checkpoints and the final model are Hugging Face directories.
     Example: atelier pretrain recipes/pretrain-tiny.toml --set model=build/tiny-model"""
-    from atelier.cli.rank import start_ranks
     from atelier.pretrain.config import PretrainConfig
-    from atelier.pretrain.train import RunResult, prepare_run_dir, run_pretrain
-    from atelier.rundir import RunDirError, resolve_run
+    from atelier.rundir import resolve_run
 
     config, target = resolve_run(PretrainConfig, recipe, overrides, run_dir, "atelier pretrain")
-    if os.environ.get("RANK", "0") == "0":   # under torchrun every rank runs this command; rank 0 freezes
-        prepare_run_dir(config, target)
-    if config.ranks > 1 and "WORLD_SIZE" not in os.environ:   # start the ranks here (else torchrun did)
-        out = start_ranks("pretrain", config, target, world=config.ranks, quiet=as_json)
-        if out is None:
-            raise RunDirError("the ranks finished without a result", hint="see the messages above")
-        result = RunResult.from_dict(out)
-    else:
-        result = run_pretrain(config, target, quiet=as_json)
-        if int(os.environ.get("RANK", "0")) != 0:
-            return
+    result = run_on_ranks(config, target, as_json)
+    if result is None:
+        return
     summary = {"run_dir": str(result.run_dir), "final_model": str(result.final_model) if result.final_model else None,
                "global_step": result.global_step, "stopped": result.stopped,
                "last_loss": result.losses[-1] if result.losses else None, "evals": result.evals}
@@ -52,3 +42,21 @@ def pretrain_cmd(
         typer.echo(f"stopped after step {result.global_step}; run the same command again to continue")
     else:
         typer.echo(f"final model: {result.final_model}  (loss curves: {result.run_dir / 'loss.png'})")
+
+
+def run_on_ranks(config, target: Path, quiet: bool):
+    """Freeze the run, run it on `config.ranks` ranks (started here, or by torchrun); the result on
+    rank 0, None on the others."""
+    from atelier.cli.rank import start_ranks
+    from atelier.pretrain.train import RunResult, prepare_run_dir, run_pretrain
+    from atelier.rundir import RunDirError
+
+    if os.environ.get("RANK", "0") == "0":   # under torchrun every rank runs this command; rank 0 freezes
+        prepare_run_dir(config, target)
+    if config.ranks > 1 and "WORLD_SIZE" not in os.environ:   # start the ranks here (else torchrun did)
+        out = start_ranks("pretrain", config, target, world=config.ranks, quiet=quiet)
+        if out is None:
+            raise RunDirError("the ranks finished without a result", hint="see the messages above")
+        return RunResult.from_dict(out)
+    result = run_pretrain(config, target, quiet=quiet)
+    return result if int(os.environ.get("RANK", "0")) == 0 else None

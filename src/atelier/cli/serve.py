@@ -42,6 +42,9 @@ def serve(
     compile: Optional[bool] = typer.Option(
         None, "--compile/--no-compile", help="Build the decode kernels with torch.compile (default: where a "
                                              "C++ compiler is found)."),
+    speculate: Optional[bool] = typer.Option(
+        None, "--speculate/--no-speculate", help="Decode speculatively with the model's MTP heads (default: "
+                                                 "where it has them, while that is faster)."),
 ) -> None:
     """Serve MODEL over HTTP: /v1/chat/completions and /v1/completions (OpenAI, streaming,
     logprobs, echo), /v1/models, /v1/generate (token ids), /health, and /v1/weights when
@@ -70,10 +73,11 @@ def serve(
     return_freed_memory()   # a request's large activations go back to the OS when it ends
     with open_model(model, device=device, dtype=dtype, max_batch=max_batch, kv_cache_tokens=kv_cache_tokens,
                     prefix_cache_tokens=prefix_cache_tokens, max_queue=max_queue, threads=threads,
-                    compile=compile) as engine:
+                    compile=compile, speculate=speculate) as engine:
         typer.echo(f"serving {engine.name} ({str(engine.dtype).removeprefix('torch.')}, KV "
                    f"{engine.kv_bytes / 2**20:.0f} MiB for {engine.kv_cache_tokens} tokens) on "
                    f"http://{host}:{port}/v1{', API key required' if api_key else ''}"
-                   f"{f', weight updates from {weights_dir}' if weights_dir else ''}", err=True)
+                   f"{f', weight updates from {weights_dir}' if weights_dir else ''}"
+                   f"{', speculating with its MTP heads' if getattr(engine, 'speculates', False) else ''}", err=True)
         app = create_app(engine, api_key=api_key, weights_dir=weights_dir)
         uvicorn.run(app, host=host, port=port, log_level="warning")

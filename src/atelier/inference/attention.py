@@ -56,10 +56,14 @@ SHORT = 256
 
 
 def decode_attention(q_BKGD: torch.Tensor, k_BKD: torch.Tensor, v_BKD: torch.Tensor, k_KRD: torch.Tensor,
-                     v_KRD: torch.Tensor, tables_BN: torch.Tensor, lengths_B: torch.Tensor, block: int
-                     ) -> torch.Tensor:
+                     v_KRD: torch.Tensor, tables_BN: torch.Tensor, lengths_B: torch.Tensor, block: int,
+                     siblings_BB: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of each sequence's query (already scaled) over its cached positions and its own
-    new key and value; returns [B, K, G, D] in fp32. The form `torch.compile` fuses."""
+    new key and value; returns [B, K, G, D] in fp32. The form `torch.compile` fuses.
+
+    `siblings_BB` (bool, None: the diagonal): which rows' new keys row b also attends to — a
+    verification pass puts a sequence's last token and its drafts in consecutive rows, each seeing
+    the cache and the rows up to its own."""
     K, _, D = k_KRD.shape
     N = tables_BN.shape[1]
     q_BKGD = q_BKGD.float()
@@ -68,29 +72,45 @@ def decode_attention(q_BKGD: torch.Tensor, k_BKD: torch.Tensor, v_BKD: torch.Ten
     scores_BKGT = (q_BKGD[:, :, :, None, :] * k_KBTD.permute(1, 0, 2, 3)[:, :, None].float()).sum(-1)
     past_BT = torch.arange(N * block, device=q_BKGD.device)[None, :] >= lengths_B[:, None]
     scores_BKGT = scores_BKGT.masked_fill(past_BT[:, None, None, :], float("-inf"))
-    own_BKG1 = (q_BKGD * k_BKD[:, :, None].float()).sum(-1, keepdim=True)
-    top_BKG1 = torch.maximum(scores_BKGT.amax(-1, keepdim=True), own_BKG1)
+    if siblings_BB is None:
+        own_BKG1 = (q_BKGD * k_BKD[:, :, None].float()).sum(-1, keepdim=True)
+        top_BKG1 = torch.maximum(scores_BKGT.amax(-1, keepdim=True), own_BKG1)
+        weights_BKGT = torch.exp(scores_BKGT - top_BKG1)
+        own_BKG1 = torch.exp(own_BKG1 - top_BKG1)
+        total_BKG1 = weights_BKGT.sum(-1, keepdim=True) + own_BKG1
+        out_BKGD = (weights_BKGT[..., None] * v_KBTD.permute(1, 0, 2, 3)[:, :, None].float()).sum(-2)
+        return (out_BKGD + own_BKG1 * v_BKD[:, :, None].float()) / total_BKG1
+    new_BKGC = (q_BKGD[:, :, :, None, :] * k_BKD.permute(1, 0, 2)[None, :, None].float()).sum(-1)
+    new_BKGC = new_BKGC.masked_fill(~siblings_BB[:, None, None, :], float("-inf"))
+    top_BKG1 = torch.maximum(scores_BKGT.amax(-1, keepdim=True), new_BKGC.amax(-1, keepdim=True))
     weights_BKGT = torch.exp(scores_BKGT - top_BKG1)
-    own_BKG1 = torch.exp(own_BKG1 - top_BKG1)
-    total_BKG1 = weights_BKGT.sum(-1, keepdim=True) + own_BKG1
+    new_BKGC = torch.exp(new_BKGC - top_BKG1)
+    total_BKG1 = weights_BKGT.sum(-1, keepdim=True) + new_BKGC.sum(-1, keepdim=True)
     out_BKGD = (weights_BKGT[..., None] * v_KBTD.permute(1, 0, 2, 3)[:, :, None].float()).sum(-2)
-    return (out_BKGD + own_BKG1 * v_BKD[:, :, None].float()) / total_BKG1
+    out_BKGD = out_BKGD + (new_BKGC[..., None] * v_BKD.permute(1, 0, 2)[None, :, None].float()).sum(-2)
+    return out_BKGD / total_BKG1
 
 
 def decode_attention_eager(q_BKGD: torch.Tensor, k_BKD: torch.Tensor, v_BKD: torch.Tensor, k_KRD: torch.Tensor,
-                           v_KRD: torch.Tensor, tables_BN: torch.Tensor, lengths_B: torch.Tensor, block: int
-                           ) -> torch.Tensor:
+                           v_KRD: torch.Tensor, tables_BN: torch.Tensor, lengths_B: torch.Tensor, block: int,
+                           siblings_BB: torch.Tensor | None = None) -> torch.Tensor:
     """`decode_attention` with the gathered keys materialised and batched matrix products."""
     K, _, D = k_KRD.shape
     N = tables_BN.shape[1]
+    B = q_BKGD.shape[0]
     q_BKGD = q_BKGD.float()
     k_BKTD = k_KRD.view(K, -1, block, D)[:, tables_BN].flatten(2, 3).transpose(0, 1).float()
     v_BKTD = v_KRD.view(K, -1, block, D)[:, tables_BN].flatten(2, 3).transpose(0, 1).float()
-    # the new key as position T: one softmax over the cache and itself
-    k_BKTD = torch.cat([k_BKTD, k_BKD[:, :, None].float()], dim=2)
-    v_BKTD = torch.cat([v_BKTD, v_BKD[:, :, None].float()], dim=2)
-    past_BT = torch.arange(N * block + 1, device=q_BKGD.device)[None, :] >= lengths_B[:, None]
-    past_BT[:, -1] = False
+    if siblings_BB is None:   # the new key as position T: one softmax over the cache and itself
+        k_BKTD = torch.cat([k_BKTD, k_BKD[:, :, None].float()], dim=2)
+        v_BKTD = torch.cat([v_BKTD, v_BKD[:, :, None].float()], dim=2)
+        past_BT = torch.arange(N * block + 1, device=q_BKGD.device)[None, :] >= lengths_B[:, None]
+        past_BT[:, -1] = False
+    else:                     # every row's new key after the cache, masked to the row's siblings
+        k_BKTD = torch.cat([k_BKTD, k_BKD.permute(1, 0, 2)[None].expand(B, -1, -1, -1).float()], dim=2)
+        v_BKTD = torch.cat([v_BKTD, v_BKD.permute(1, 0, 2)[None].expand(B, -1, -1, -1).float()], dim=2)
+        past_BT = torch.cat([torch.arange(N * block, device=q_BKGD.device)[None, :] >= lengths_B[:, None],
+                             ~siblings_BB], dim=1)
     scores_BKGT = torch.matmul(q_BKGD, k_BKTD.transpose(2, 3))
     scores_BKGT.masked_fill_(past_BT[:, None, None, :], float("-inf"))
     return torch.matmul(torch.softmax(scores_BKGT, dim=-1), v_BKTD)
@@ -131,13 +151,17 @@ class PagedDecodeAttention:
         # and kernels specialised to them (head dim, block) vectorise far better than symbolic ones.
         self._fn = torch.compile(decode_attention, dynamic=False) if self.compiled else decode_attention_eager
 
-    def __call__(self, q_BKGD, k_BKD, v_BKD, k_KRD, v_KRD, tables_BN, lengths_B, block: int) -> torch.Tensor:
-        args = (q_BKGD, k_BKD, v_BKD, k_KRD, v_KRD, tables_BN, lengths_B, block)
+    def __call__(self, q_BKGD, k_BKD, v_BKD, k_KRD, v_KRD, tables_BN, lengths_B, block: int,
+                 siblings_BB=None) -> torch.Tensor:
+        args = (q_BKGD, k_BKD, v_BKD, k_KRD, v_KRD, tables_BN, lengths_B, block, siblings_BB)
         if not self.compiled:
             return decode_attention_eager(*args)
         for t in (q_BKGD, k_BKD, v_BKD, tables_BN, lengths_B):
             torch._dynamo.maybe_mark_dynamic(t, 0)
         torch._dynamo.maybe_mark_dynamic(tables_BN, 1)
+        if siblings_BB is not None:
+            torch._dynamo.maybe_mark_dynamic(siblings_BB, 0)
+            torch._dynamo.maybe_mark_dynamic(siblings_BB, 1)
         try:
             return self._fn(*args)
         except Exception as exc:

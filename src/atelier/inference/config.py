@@ -25,6 +25,12 @@ class BuiltinEngineConfig(AtelierConfig):
     compile: Optional[bool] = None
     """Build the decode step's kernels with `torch.compile` (None: where a C++ compiler or a GPU
     is found). False runs the same arithmetic eagerly, slower."""
+    speculate: Optional[bool] = None
+    """Decode speculatively with the model's MTP heads (mtp.json beside its weights; `atelier mtp
+    attach` trains them). None: where the model has heads, and only while it measures faster
+    than plain decoding; True: the model must have heads; False: never."""
+    speculate_max_batch: int = Field(16, ge=1)
+    """No speculation above this many running sequences (a large batch on a CPU gains nothing)."""
 
 
 class InferenceConfig(AtelierConfig):

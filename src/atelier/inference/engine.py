@@ -99,11 +99,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from atelier.errors import AtelierError, InfraError
 from atelier.inference.forward import BatchedForward
 from atelier.inference.prefix_cache import BlockPool
-from atelier.inference.sampling import make_generator, sample_rows
+from atelier.inference.sampling import make_generator, most_likely, sample_rows, speculative_accept, tempered
+from atelier.inference.speculative import DraftHeads, DraftRun, SpeculationPolicy
 from atelier.inference.threads import StepThreads
 from atelier.inference.threads import threads as running_on
 from atelier.inference.types import DEFAULT_KV_CACHE_TOKENS, DEFAULT_PREFIX_CACHE_TOKENS, Generation, SamplingParams
 from atelier.moe.replay import pack_routes
+from atelier.mtp.store import load_mtp_heads
 from atelier.train.devices import cpu_has_bf16, trim_freed_memory
 
 TokenCallback = Callable[[int, float, int], None]
@@ -148,6 +150,12 @@ class _Request:
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     finish_reason: str | None = None
     error: BaseException | None = None
+    # speculative decoding (speculative.py): the MTP heads' guesses of the next tokens, the
+    # distributions they were drawn from (sampled requests), and the model's hidden state at the
+    # last position the heads ran over (their next pass starts there again)
+    drafts: list[int] = field(default_factory=list)
+    draft_probs: list[torch.Tensor] | None = None
+    head_tail: torch.Tensor | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -215,7 +223,8 @@ class LocalEngine:
 
     `LocalEngine(path, device="cpu", dtype=None, max_batch=32, max_seq_len=None,
     kv_cache_tokens=32768, prefix_cache_tokens=16384, max_prefill_tokens=2048,
-    max_queue=None, batch_invariant=False, threads=None, compile=None)`.
+    max_queue=None, batch_invariant=False, threads=None, compile=None, speculate=None,
+    speculate_max_batch=16)`.
     `dtype=None` means bf16 where the hardware has it (see the module docstring).
     `kv_cache_tokens` is the whole KV memory, in token positions; `prefix_cache_tokens`
     bounds how much of it is kept registered for reuse (0: no prefix caching).
@@ -228,6 +237,10 @@ class LocalEngine:
     (`atelier.inference.threads`); an int pins it.
     `compile` (None, the default: where a compiler is found) builds the decode attention kernel
     with `torch.compile` at the first step; False runs the same arithmetic eagerly.
+    `speculate` (None, the default: where the model directory has MTP heads) decodes
+    speculatively with the heads (`atelier.inference.speculative`): at batch sizes up to
+    `speculate_max_batch`, and only while measured faster than plain steps; True requires heads,
+    False never loads them. Never with `batch_invariant`.
     Use as a context manager or call `close()`.
     """
 
@@ -236,7 +249,8 @@ class LocalEngine:
                  version: int = 0, prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
                  kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS, max_prefill_tokens: int = 2048,
                  max_queue: int | None = None, batch_invariant: bool = False,
-                 threads: int | None = None, compile: bool | None = None) -> None:
+                 threads: int | None = None, compile: bool | None = None, speculate: bool | None = None,
+                 speculate_max_batch: int = 16) -> None:
         if prefix_cache_tokens < 0:
             raise EngineError("prefix_cache_tokens must be >= 0", hint="0 turns the prefix cache off")
         if kv_cache_tokens < KV_BLOCK * 2:
@@ -246,6 +260,9 @@ class LocalEngine:
             raise EngineError("max_batch and max_prefill_tokens must be >= 1, max_queue >= 0")
         if threads is not None and threads < 1:
             raise EngineError("threads must be >= 1", hint="or None: adapt to what else runs")
+        if speculate and batch_invariant:
+            raise EngineError("speculative decoding and batch_invariant exclude each other",
+                              hint="a verification pass over drafts is a batch shape of its own: drop one")
         path = Path(model_path)
         self.path = path
         self.device = torch.device(device)
@@ -269,12 +286,13 @@ class LocalEngine:
         # the thread count of the last step.
         self.stats = {"steps": 0, "max_batch_seen": 0, "prefills": 0, "prefill_tokens": 0,
                       "prefix_hit_tokens": 0, "preemptions": 0, "cancelled": 0, "max_waiting": 0,
-                      "threads": 0}
+                      "threads": 0, "speculative_steps": 0, "drafted": 0, "accepted": 0}
         # The model is loaded on the scheduler thread, which then runs every step: all of the
         # engine's multi-threaded torch work happens on one thread (see `atelier.inference.threads`).
         loaded: list[BaseException | None] = []
         ready = threading.Event()
-        load = (path, kv_cache_tokens, prefix_cache_tokens, max_seq_len, compile, threads, loaded, ready)
+        load = (path, kv_cache_tokens, prefix_cache_tokens, max_seq_len, compile, threads,
+                (speculate, speculate_max_batch), loaded, ready)
         self._thread = threading.Thread(target=self._run, args=load, name=f"engine-{self.name}", daemon=True)
         self._thread.start()
         ready.wait()
@@ -283,14 +301,22 @@ class LocalEngine:
             raise loaded[0]
 
     def _load(self, path: Path, kv_cache_tokens: int, prefix_cache_tokens: int, max_seq_len: int | None,
-              compile: bool | None, threads: int | None) -> None:
+              compile: bool | None, threads: int | None, speculation: tuple[bool | None, int]) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
+        speculate, speculate_max_batch = speculation
+        mtp = None if speculate is False or self.batch_invariant else load_mtp_heads(path, self.model)
+        if speculate and mtp is None:
+            raise EngineError(f"speculate=True, but {path} has no MTP heads (mtp.json, mtp.safetensors)",
+                              hint="train heads for it (atelier mtp attach), or leave speculate unset")
         blocks = kv_cache_tokens // KV_BLOCK
         self.kv_cache_tokens = blocks * KV_BLOCK
         limit = getattr(self.model.config, "max_position_embeddings", None) or 2048
         self.max_seq_len = min(limit, max_seq_len or limit, self.kv_cache_tokens)
-        self._forward = BatchedForward(self.model, blocks, KV_BLOCK, compile=compile)
+        self._forward = BatchedForward(self.model, blocks, KV_BLOCK, compile=compile,
+                                       extra_kv_layers=len(mtp.heads) if mtp is not None else 0)
+        self._heads = DraftHeads(mtp, self._forward) if mtp is not None else None
+        self._speculation = SpeculationPolicy(self._heads is not None, speculate_max_batch)
         self.pool = BlockPool(blocks, KV_BLOCK, 0 if self.batch_invariant else prefix_cache_tokens // KV_BLOCK)
         self._targets = self.model.state_dict()
         eos = self.tokenizer.eos_token_id
@@ -324,6 +350,17 @@ class LocalEngine:
     def prefix_cache(self) -> BlockPool:
         """The block pool, whose registered blocks are the prefix cache (`.tokens`, `.enabled`)."""
         return self.pool
+
+    @property
+    def speculates(self) -> bool:
+        """Whether the engine has MTP heads to speculate with (speculative.py)."""
+        return self._heads is not None
+
+    @property
+    def speculation(self) -> SpeculationPolicy:
+        """The policy that decides per step whether to speculate; its `mode` ("auto", "always",
+        "never") may be set between requests."""
+        return self._speculation
 
     @property
     def kv_bytes(self) -> int:
@@ -485,12 +522,13 @@ class LocalEngine:
                 n = self._threads.choose(decode_only)
                 self.stats["threads"] = n
                 started = time.perf_counter()
+                plain = True
                 with running_on(n):
                     if admitted:
                         self._prefill(admitted)
                     if self._active:
-                        self._decode()
-                if decode_only:
+                        plain = self._decode()
+                if decode_only and plain:
                     self._threads.record(n, decode_only, time.perf_counter() - started)
             except Exception as exc:  # the batch edge: fail these requests, keep serving
                 for request in {id(r): r for r in self._active + admitted}.values():
@@ -514,6 +552,8 @@ class LocalEngine:
                 for key, value in update.tensors.items():
                     self._targets[key].copy_(value.to(self._targets[key].device))
             self._forward.refresh_weights()
+            if self._heads is not None:   # they draft through the model's (changed) vocabulary rows
+                self._heads.refresh_weights()
             self._version = update.version
         except Exception as exc:
             update.error = exc
@@ -564,17 +604,20 @@ class LocalEngine:
         contexts = [r.context for r in admitted]
         seqs = [(c, r.length, r.blocks) for c, r in zip(contexts, admitted)]
         scored = [i for i, r in enumerate(admitted) if self._scores(r)]
+        drafting = self._heads is not None
+        kept = list(range(len(admitted))) if drafting else scored
         if self.batch_invariant:
             runs = [self._forward.prefill_keeping([seq], [0] if i in scored else []) for i, seq in enumerate(seqs)]
             logits_BV = torch.cat([logits for logits, _ in runs])
             hidden = [h for _, kept in runs for h in kept]
         else:
-            logits_BV, hidden = self._forward.prefill_keeping(seqs, scored)
-        for i, hidden_NM in zip(scored, hidden):
-            self._score_prompt(admitted[i], hidden_NM)
+            logits_BV, hidden = self._forward.prefill_keeping(seqs, kept)
+        for i in scored:
+            self._score_prompt(admitted[i], hidden[kept.index(i)])
         self.stats["prefills"] += 1
         self.stats["prefix_hit_tokens"] += sum(r.length for r in admitted)
         self.stats["prefill_tokens"] += sum(len(c) - r.length for c, r in zip(contexts, admitted))
+        starts = [r.length for r in admitted]
         for context, request in zip(contexts, admitted):
             request.length = len(context)
             request.epoch = self._epoch
@@ -587,6 +630,9 @@ class LocalEngine:
         if sampling:
             self._take([admitted[b] for b in sampling], logits_BV[sampling] if len(sampling) < len(admitted)
                        else logits_BV)
+        if drafting:
+            running = {id(r) for r in self._active}
+            self._draft([(r, hidden[b], starts[b]) for b, r in enumerate(admitted) if id(r) in running])
 
     @staticmethod
     def _scores(request: _Request) -> bool:
@@ -601,15 +647,17 @@ class LocalEngine:
         request.prompt_top_logprobs = [None, *best] if top else None
 
     def _grow(self) -> None:
-        """Give every running request a block for its next position, preempting the youngest
-        requests while the pool has too few."""
+        """Give every running request the blocks its next positions need (its drafts' too),
+        preempting the youngest requests while the pool has too few."""
         while True:
-            short = [r for r in self._active if r.length // KV_BLOCK >= len(r.blocks)]
+            wanted = {id(r): (r.length + len(r.drafts)) // KV_BLOCK + 1 - len(r.blocks) for r in self._active}
+            short = [r for r in self._active if wanted[id(r)] > 0]
             if not short:
                 return
-            if self.pool.available >= len(short):
+            if self.pool.available >= sum(wanted[id(r)] for r in short):
                 for request in short:  # each right after its last block when that one is free
-                    request.blocks += self.pool.allocate(1, after=request.blocks[-1])
+                    for _ in range(wanted[id(request)]):
+                        request.blocks += self.pool.allocate(1, after=request.blocks[-1])
                 return
             if len(self._active) == 1:
                 raise EngineError("the KV budget cannot hold one sequence",
@@ -620,13 +668,32 @@ class LocalEngine:
         self._active.remove(request)
         self._release(request)
         request.length = 0
+        request.drafts, request.draft_probs, request.head_tail = [], None, None
         self.stats["preemptions"] += 1
         with self._cond:
             self._waiting.insert(0, request)
 
-    def _decode(self) -> None:
+    def _decode(self) -> bool:
+        """One decode step over every running request, speculative where the policy says so;
+        True when it was a plain one."""
+        batch = len(self._active)
+        if self._speculation.choose(batch):
+            warm = all(r.drafts for r in self._active)
+            started = time.perf_counter()
+            emitted = self._speculate()
+            if warm:   # a step without drafts is a plain step plus the heads: not what speculation costs
+                self._speculation.record(True, batch, time.perf_counter() - started, emitted)
+            return False
+        started = time.perf_counter()
+        self._plain_decode()
+        self._speculation.record(False, batch, time.perf_counter() - started, batch)
+        return True
+
+    def _plain_decode(self) -> None:
         self._grow()
         active = self._active
+        for request in active:   # the heads do not follow plain steps: their drafts go stale
+            request.drafts, request.draft_probs, request.head_tail = [], None, None
         if self.batch_invariant:
             logits_BV = torch.cat([self._forward.decode([r.token_ids[-1]], [r.length], [r.blocks]) for r in active])
         else:
@@ -645,20 +712,78 @@ class LocalEngine:
         sampled = sample_rows(logits_BV, [(r.params.temperature, r.params.top_p, r.generator) for r in requests],
                               top=tops if any(tops) else None)
         for request, (token, logprob, top) in zip(requests, sampled):
-            request.token_ids.append(token)
-            request.logprobs.append(logprob)
-            request.versions.append(version)
-            if top is not None:
-                request.top_logprobs.append(top)
-            if request.on_token is not None:
-                try:
-                    request.on_token(token, logprob, version)
-                except Exception:  # a broken listener (gone client) must not fail the batch
-                    request.on_token = None
-            reason = self._finish_reason(request, token)
-            if reason:
-                self._active.remove(request)
-                self._end(request, reason)
+            self._append(request, token, logprob, version, top)
+
+    def _append(self, request: _Request, token: int, logprob: float, version: int,
+                top: list[tuple[int, float]] | None) -> bool:
+        """Give `request` its next token; retire it (True) when that token finishes it."""
+        request.token_ids.append(token)
+        request.logprobs.append(logprob)
+        request.versions.append(version)
+        if top is not None:
+            request.top_logprobs.append(top)
+        if request.on_token is not None:
+            try:
+                request.on_token(token, logprob, version)
+            except Exception:  # a broken listener (gone client) must not fail the batch
+                request.on_token = None
+        reason = self._finish_reason(request, token)
+        if reason:
+            self._active.remove(request)
+            self._end(request, reason)
+        return bool(reason)
+
+    def _speculate(self) -> int:
+        """One speculative step (speculative.py): verify every running request's last token and
+        drafts in one pass, emit what `speculative_accept` keeps, draft again. Returns the tokens
+        emitted."""
+        active = list(self._active)
+        for request in active:   # never draft past what the request may still emit
+            room = min(request.params.max_tokens - len(request.token_ids),
+                       self.max_seq_len - len(request.context)) - 1
+            request.drafts = request.drafts[:max(0, room)]
+        self._grow()
+        active = list(self._active)
+        logits_NV, hidden_NM = self._forward.verify([(r.context + r.drafts, r.length, r.blocks) for r in active])
+        logits_NV = logits_NV.cpu()
+        self.stats["steps"] += 1
+        self.stats["speculative_steps"] += 1
+        self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(active))
+        version, at, emitted, todo = self._version, 0, 0, []
+        for request in active:
+            k, p = len(request.drafts) + 1, request.params
+            rows_KV = logits_NV[at:at + k]
+            out = speculative_accept(rows_KV, request.drafts, request.draft_probs, p.temperature, p.top_p,
+                                     request.generator)
+            tops = most_likely(*tempered(rows_KV[:len(out)], [p.temperature] * len(out)), p.top_logprobs) \
+                if p.top_logprobs else [None] * len(out)
+            self.stats["drafted"] += len(request.drafts)
+            self.stats["accepted"] += len(out) - 1
+            start = request.length - 1 if request.head_tail is not None else request.length
+            verified = hidden_NM[at:at + len(out)]
+            hidden = verified if request.head_tail is None else torch.cat([request.head_tail, verified])
+            request.length += len(out)
+            at += k
+            finished = False
+            for (token, logprob), top in zip(out, tops):
+                emitted += 1
+                if self._append(request, token, logprob, version, top):
+                    finished = True
+                    break
+            if not finished:
+                todo.append((request, hidden, start))
+        self._draft(todo)
+        return emitted
+
+    def _draft(self, todo: list[tuple[_Request, torch.Tensor, int]]) -> None:
+        """Run the heads over each `(request, hidden states, first position)` and keep their drafts."""
+        if not todo:
+            return
+        runs = [DraftRun(hidden, r.context, start, r.blocks, r.params.temperature, r.generator)
+                for r, hidden, start in todo]
+        for (request, hidden, _), drafted in zip(todo, self._heads.draft(runs)):
+            request.drafts, request.draft_probs = drafted.tokens, drafted.probs
+            request.head_tail = hidden[-1:]
 
     def _finish_reason(self, request: _Request, token: int) -> str | None:
         if token in request.stop_ids:

@@ -250,6 +250,17 @@ class Shape(NamedTuple):
     block: int
 
 
+class FlatBatch(NamedTuple):
+    """Tokens of several sequences as one row: ids and positions [1, N], pool rows [N], and per
+    sequence `(offset, count, plan, mask)` (plan None: it starts at 0, attention is causal over its
+    own tokens)."""
+
+    ids_1N: torch.Tensor
+    pos_1N: torch.Tensor
+    rows_N: torch.Tensor
+    plans: list
+
+
 def block(layer: Layer, shape: Shape, x_BTM: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
           attend) -> torch.Tensor:
     """One decoder layer; `attend(q, k, v)` keeps k and v and returns attention [B, H, T, D]."""
@@ -272,7 +283,8 @@ def decode_layer(layer: Layer, shape: Shape, k_KRD: torch.Tensor, v_KRD: torch.T
                  attention: Callable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One layer of a decode step over a batch sorted longest first: the layer's output and its new
     keys and values [B, Hkv, D] (stored by the caller, after every layer). `groups`: each group's
-    padded block tables and lengths, in batch order; `attention`: `decode_attention` or a callable
+    padded block tables, cached lengths and sibling rows (None: none; see `decode_attention`), in
+    batch order; `attention`: `decode_attention` or a callable
     with its signature. What `torch.compile` compiles, once for all layers."""
     B = x_B1M.shape[0]
     H, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
@@ -283,10 +295,10 @@ def decode_layer(layer: Layer, shape: Shape, k_KRD: torch.Tensor, v_KRD: torch.T
         new.extend((k_BHD, v_BHD))
         q_BKGD = (q[:, :, 0].float() * shape.scaling).view(B, Hkv, H // Hkv, D)
         outs, start = [], 0
-        for table, length in groups:
+        for table, length, siblings in groups:
             end = start + table.shape[0]
             outs.append(attention(q_BKGD[start:end], k_BHD[start:end], v_BHD[start:end], k_KRD, v_KRD,
-                                  table, length, shape.block))
+                                  table, length, shape.block, siblings))
             start = end
         out_BKGD = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out_BKGD.view(B, H, 1, D).to(q.dtype)
@@ -296,6 +308,7 @@ def decode_layer(layer: Layer, shape: Shape, k_KRD: torch.Tensor, v_KRD: torch.T
 
 
 _compiled_decode_layer = None
+RECOMPILE_LIMIT = 64
 COMPILE_OPTIONS = {
     # Keep q (and any value a reduction reads) in a buffer: inlined, inductor recomputed q's rotary
     # embedding for every key position it attended to, which made the fused layer slower than eager.
@@ -311,6 +324,10 @@ def compiled_decode_layer() -> Callable:
     batch of one or more) serve every layer of every engine with the same shapes."""
     global _compiled_decode_layer
     if _compiled_decode_layer is None:
+        # One graph per thread count, batch of one or more, number of length groups and
+        # verification or plain step: past dynamo's default of 8 graphs a function, it would
+        # run the layer uncompiled from then on.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         _compiled_decode_layer = torch.compile(decode_layer, dynamic=False, options=COMPILE_OPTIONS)
     return _compiled_decode_layer
 
@@ -318,12 +335,14 @@ def compiled_decode_layer() -> Callable:
 class BatchedForward:
     """Prefill and decode over a Hugging Face Llama-family causal LM, keys and values in a `PagedKV`.
 
-    `compile` (None: where a compiler is found) runs decode's layers as a kernel `torch.compile`
-    builds (one graph serves every layer: compiling takes seconds, not minutes); False runs the
-    same arithmetic eagerly (`attention.py`).
+    `extra_kv_layers` adds pool layers after the model's (the MTP heads' blocks keep their keys
+    there, `speculative.DraftHeads`). `compile` (None: where a compiler is found) runs decode's
+    layers as a kernel `torch.compile` builds (one graph serves every layer: compiling takes
+    seconds, not minutes); False runs the same arithmetic eagerly (`attention.py`).
     """
 
-    def __init__(self, hf_model, kv_blocks: int, block: int, compile: bool | None = None) -> None:
+    def __init__(self, hf_model, kv_blocks: int, block: int, compile: bool | None = None,
+                 extra_kv_layers: int = 0) -> None:
         config = hf_model.config
         if config.model_type not in SUPPORTED_TYPES or getattr(config, "sliding_window", None) and \
                 config.model_type in ("mistral", "mixtral"):
@@ -353,7 +372,8 @@ class BatchedForward:
         if any(layer.gate_up is None for layer in self.layers):
             self.router = RouterReplay(hf_model)   # observes only: what each router chose, per call
         routes = None if self.router is None else (self.router.num_layers, self.router.top_k)
-        self.kv = PagedKV(len(self.layers), kv_blocks, block, self.kv_heads, self.head_dim,
+        # `extra_kv_layers`: pool layers past the model's, for the MTP heads' blocks (speculative.py)
+        self.kv = PagedKV(len(self.layers) + extra_kv_layers, kv_blocks, block, self.kv_heads, self.head_dim,
                           param.dtype, param.device, routes)
         self.attention = PagedDecodeAttention(param.device, compile)
         self.shape = Shape(self.heads, self.kv_heads, self.head_dim, float(self.scaling), block)
@@ -472,6 +492,16 @@ class BatchedForward:
         every matrix multiply; attention runs per sequence: causal over its own new keys when it
         starts at 0, else over its blocks (in place when they are consecutive, else gathered).
         """
+        batch = self.flat_batch(seqs)
+        x_1NM = self.run_layers(batch, self.core.embed_tokens(batch.ids_1N), enumerate(self.layers))
+        self._record_routes(batch.rows_N)
+        last = torch.tensor([off + n - 1 for off, n, _, _ in batch.plans], device=self.device)
+        kept = [x_1NM[0, batch.plans[i][0]:batch.plans[i][0] + batch.plans[i][1]] for i in keep]
+        return self._logits(x_1NM[0, last]), kept
+
+    def flat_batch(self, seqs: list[tuple[list[int], int, list[int]]]) -> FlatBatch:
+        """Positions `start:` of every `(tokens, start, table)` as one flat batch, with each
+        sequence's attention plan (see `prefill_keeping`)."""
         ids, pos, rows, spans = [], [], [], []
         for tokens, start, table in seqs:
             n = len(tokens) - start
@@ -480,9 +510,6 @@ class BatchedForward:
             pos += range(start, len(tokens))
             rows += self.kv.rows(table, start, len(tokens))
         dev, dtype = self.device, self.core.embed_tokens.weight.dtype
-        ids_1N = torch.tensor(ids, dtype=torch.long, device=dev)[None]
-        pos_1N = torch.tensor(pos, dtype=torch.long, device=dev)[None]
-        rows_N = torch.tensor(rows, dtype=torch.long, device=dev)
         plans = []
         for off, n, start, table in spans:
             if start == 0:
@@ -494,11 +521,17 @@ class BatchedForward:
             hidden = torch.arange(start + n, device=dev)[None, :] > torch.arange(start, start + n, device=dev)[:, None]
             mask_11NT = torch.zeros(hidden.shape, dtype=dtype, device=dev).masked_fill_(hidden, float("-inf"))
             plans.append((off, n, self._plan(table, start + n), mask_11NT[None, None]))
+        return FlatBatch(torch.tensor(ids, dtype=torch.long, device=dev)[None],
+                         torch.tensor(pos, dtype=torch.long, device=dev)[None],
+                         torch.tensor(rows, dtype=torch.long, device=dev), plans)
 
+    def run_layers(self, batch: FlatBatch, x_1NM: torch.Tensor, layers) -> torch.Tensor:
+        """`x_1NM` through `(i, layer)` pairs in order, layer i's keys and values stored at the
+        batch's rows of the pool's layer i and attended over as the batch's plans say."""
         def attend(i, q, k, v):
-            self._store(i, rows_N, k[0], v[0])
+            self._store(i, batch.rows_N, k[0], v[0])
             outs = []
-            for off, n, plan, mask in plans:
+            for off, n, plan, mask in batch.plans:
                 q_b = q[:, :, off:off + n]
                 if plan is None:
                     out = F.scaled_dot_product_attention(q_b, k[:, :, off:off + n], v[:, :, off:off + n],
@@ -510,14 +543,10 @@ class BatchedForward:
                 outs.append(out)
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
-        x_1NM = self.core.embed_tokens(ids_1N)
-        cos, sin = self._rope(x_1NM, pos_1N)
-        for i, layer in enumerate(self.layers):
+        cos, sin = self._rope(x_1NM, batch.pos_1N)
+        for i, layer in layers:
             x_1NM = block(layer, self.shape, x_1NM, cos, sin, partial(attend, i))
-        self._record_routes(rows_N)
-        last = torch.tensor([off + n - 1 for off, n, _, _ in plans], device=dev)
-        kept = [x_1NM[0, plans[i][0]:plans[i][0] + plans[i][1]] for i in keep]
-        return self._logits(x_1NM[0, last]), kept
+        return x_1NM
 
     @torch.inference_mode()
     def score(self, hidden_NM: torch.Tensor, targets: list[int], temperature: float, top: int
@@ -548,20 +577,52 @@ class BatchedForward:
         group's attention is one kernel call per layer over its padded block tables (see the module
         docstring). The new keys and values are stored after the last layer.
         """
+        return self._logits(self._decode_rows(tokens, positions, tables))
+
+    @torch.inference_mode()
+    def verify(self, seqs: list[tuple[list[int], int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions `start:` of each `(tokens, start, table)` (a speculative step's last token and
+        drafts) computed as one decode step whose rows of a sequence see each other causally;
+        returns every row's logits [N, V] (fp32) and final hidden states [N, M], sequence after
+        sequence."""
+        tokens, positions, tables, cached, seq_of = [], [], [], [], []
+        for s, (toks, start, table) in enumerate(seqs):
+            for p in range(start, len(toks)):
+                tokens.append(toks[p])
+                positions.append(p)
+                tables.append(table)
+                cached.append(start)
+                seq_of.append(s)
+        h_NM = self._decode_rows(tokens, positions, tables, cached, seq_of)
+        return self._logits(h_NM), h_NM
+
+    def _decode_rows(self, tokens: list[int], positions: list[int], tables: list[list[int]],
+                     cached: list[int] | None = None, seq_of: list[int] | None = None) -> torch.Tensor:
+        """The final hidden states [B, M] (caller's order) of a decode step: row b's token at
+        `positions[b]` over the `cached[b]` positions its sequence has in the cache (default: all
+        before it) and, with `seq_of`, the earlier rows of the same sequence."""
         B = len(tokens)
         S = self.kv.block
         dev = self.device
-        order = sorted(range(B), key=lambda b: -positions[b])
-        lengths = [positions[b] for b in order]
+        cached = positions if cached is None else cached
+        seq = seq_of or list(range(B))   # plain decode: every row a sequence of its own
+        order = sorted(range(B), key=lambda b: (-cached[b], seq[b], positions[b]))
+        lengths = [cached[b] for b in order]
         ids_B1 = torch.tensor([tokens[b] for b in order], dtype=torch.long, device=dev)[:, None]
-        pos_B1 = torch.tensor(lengths, dtype=torch.long, device=dev)[:, None]
-        rows_B = torch.tensor([tables[b][p // S] * S + p % S for b, p in zip(order, lengths)], dtype=torch.long,
-                              device=dev)
+        pos_B1 = torch.tensor([positions[b] for b in order], dtype=torch.long, device=dev)[:, None]
+        len_B = torch.tensor(lengths, dtype=torch.long, device=dev)
+        rows_B = torch.tensor([tables[b][positions[b] // S] * S + positions[b] % S for b in order],
+                              dtype=torch.long, device=dev)
         groups = []
-        for start, end in length_groups(lengths):
-            width = lengths[start] // S + 1       # blocks that hold the group's longest past
+        for start, end in self._whole_sequences(length_groups(lengths), [seq[b] for b in order]):
+            width = max(positions[b] for b in order[start:end]) // S + 1   # blocks of the group's longest past
             padded = [tables[b][:width] + [0] * (width - min(width, len(tables[b]))) for b in order[start:end]]
-            groups.append((torch.tensor(padded, dtype=torch.long, device=dev), pos_B1[start:end, 0]))
+            siblings = None
+            if seq_of is not None:
+                ids = torch.tensor([seq[b] for b in order[start:end]], device=dev)
+                at = pos_B1[start:end, 0]
+                siblings = (ids[:, None] == ids[None, :]) & (at[None, :] <= at[:, None])
+            groups.append((torch.tensor(padded, dtype=torch.long, device=dev), len_B[start:end], siblings))
         self.stats["decode_groups"] += len(groups)
         x_B1M = self.core.embed_tokens(ids_B1)
         cos, sin = self._rope(x_B1M, pos_B1)
@@ -576,17 +637,31 @@ class BatchedForward:
             back = torch.empty(B, dtype=torch.long)
             back[torch.tensor(order)] = torch.arange(B)
             x_B1M = x_B1M[back.to(dev)]
-        return self._logits(x_B1M[:, 0])
+        return x_B1M[:, 0]
+
+    @staticmethod
+    def _whole_sequences(groups: list[tuple[int, int]], seq: list[int]) -> list[tuple[int, int]]:
+        """`groups` with every cut moved back to where its sequence's rows begin (a sequence's rows
+        attend to each other, so they share a group)."""
+        cuts = []
+        for start, _ in groups:
+            while 0 < start and seq[start - 1] == seq[start]:
+                start -= 1
+            if not cuts or start > cuts[-1]:
+                cuts.append(start)
+        return list(zip(cuts, cuts[1:] + [len(seq)]))
 
     def _decode_layer_call(self, layer: Layer, i: int, x_B1M, cos, sin, groups):
         """Layer i of a decode step, compiled where it can be (a dense layer, a compiler)."""
         args = (layer, self.shape, self.kv.k_LHRD[i], self.kv.v_LHRD[i], x_B1M, cos, sin, groups)
         if self._compiled_layer is None or layer.moe is not None:
             return decode_layer(*args, self.attention)
-        for t in (x_B1M, cos, sin, *(t for group in groups for t in group)):
+        for t in (x_B1M, cos, sin, *(t for group in groups for t in group if t is not None)):
             torch._dynamo.maybe_mark_dynamic(t, 0)
-        for table, _ in groups:
+        for table, _, siblings in groups:
             torch._dynamo.maybe_mark_dynamic(table, 1)
+            if siblings is not None:
+                torch._dynamo.maybe_mark_dynamic(siblings, 1)
         try:
             return self._compiled_layer(*args, decode_attention)
         except Exception as exc:
@@ -599,8 +674,8 @@ class BatchedForward:
     def _store_all(self, rows_B: torch.Tensor, k_LBHD: torch.Tensor, v_LBHD: torch.Tensor) -> None:
         """Every layer's new keys and values into the pool at rows `rows_B`: one copy each over the
         pool seen as rows of D (an index along its third dimension was far slower)."""
-        L, Hkv, R, D = self.kv.k_LHRD.shape
-        B = rows_B.shape[0]
+        _, Hkv, R, D = self.kv.k_LHRD.shape
+        L, B = k_LBHD.shape[0], rows_B.shape[0]
         at_LBH = (torch.arange(L, device=rows_B.device).view(L, 1, 1) * (Hkv * R)
                   + torch.arange(Hkv, device=rows_B.device).view(1, 1, Hkv) * R + rows_B.view(1, B, 1))
         self.kv.k_LHRD.view(-1, D).index_copy_(0, at_LBH.view(-1), k_LBHD.reshape(-1, D))

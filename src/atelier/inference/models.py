@@ -171,4 +171,6 @@ def open_model(spec: str | Path, *, inference: "InferenceConfig | None" = None, 
     if inference is not None:
         kwargs.setdefault("threads", inference.builtin.threads)
         kwargs.setdefault("compile", inference.builtin.compile)
+        kwargs.setdefault("speculate", inference.builtin.speculate)
+        kwargs.setdefault("speculate_max_batch", inference.builtin.speculate_max_batch)
     return LocalEngine(path, **kwargs)

@@ -110,12 +110,65 @@ def _draw_rows(logp_RV: torch.Tensor, generators: list[torch.Generator]) -> list
 
 
 def _draw(logp_V: torch.Tensor, top_p: float, generator: torch.Generator) -> int:
-    probs_V = logp_V.exp()
-    if top_p < 1.0:
-        sorted_p, order = torch.sort(probs_V, descending=True)
-        cumulative = torch.cumsum(sorted_p, dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-        drop = (cumulative - sorted_p) >= top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs_V = torch.zeros_like(probs_V).scatter_(0, order, sorted_p)
-    return int(torch.multinomial(probs_V, 1, generator=generator))
+    return int(torch.multinomial(nucleus(logp_V.exp(), top_p), 1, generator=generator))
+
+
+def nucleus(probs_V: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`probs_V` with all but the smallest set of most likely tokens whose mass reaches `top_p` set
+    to zero (always at least one token; not renormalised). `top_p` 1: as it is."""
+    if top_p >= 1.0:
+        return probs_V
+    sorted_p, order = torch.sort(probs_V, descending=True)
+    cumulative = torch.cumsum(sorted_p, dim=-1)
+    drop = (cumulative - sorted_p) >= top_p
+    return torch.zeros_like(probs_V).scatter_(0, order, sorted_p.masked_fill(drop, 0.0))
+
+
+def draw_from(weights_V: torch.Tensor, generator: torch.Generator) -> int:
+    """One token with probability proportional to `weights_V` (>= 0, not necessarily summing to
+    one), at a uniform number from `generator`, by inverting the float64 cumulative sum."""
+    cdf_V = weights_V.cumsum(dim=-1, dtype=torch.float64)
+    u = torch.rand((), generator=generator, dtype=torch.float64)
+    return min(int(torch.searchsorted(cdf_V, (u * cdf_V[-1])[None], right=True)[0]), weights_V.shape[0] - 1)
+
+
+def speculative_accept(logits_KV: torch.Tensor, drafts: list[int], draft_probs: list[torch.Tensor] | None,
+                       temperature: float, top_p: float, generator: torch.Generator) -> list[tuple[int, float]]:
+    """The tokens a speculative step emits and their logprobs: `logits_KV` are the model's fp32
+    logits at the step's K = len(drafts) + 1 positions (after the last token, then after each
+    draft), `draft_probs[i]` the distribution draft i was drawn from (None: greedy drafts).
+
+    Standard speculative sampling: draft i is kept with probability min(1, p_i(d) / q_i(d)) (p_i:
+    the model's distribution there, tempered and top-p cut as `sample_rows` samples); at the first
+    rejection a token is drawn from max(p_i - q_i, 0) and the step ends; when every draft is kept
+    one more token is drawn from p_K. The emitted tokens are distributed exactly as the model's
+    samples. Greedy (temperature below `MIN_TEMPERATURE`): drafts are kept while each is the argmax,
+    and the first argmax that differs (or the last position's) ends the step. Logprobs are as
+    `sample_rows` reports them."""
+    scaled_KV, lse_K = tempered(logits_KV.float(), [temperature] * logits_KV.shape[0])
+    logp_KV = scaled_KV - lse_K[:, None]
+    out: list[int] = []
+    if temperature < MIN_TEMPERATURE:
+        best = logits_KV.argmax(dim=-1).tolist()
+        for i, d in enumerate(drafts):
+            out.append(best[i])
+            if best[i] != d:
+                break
+        else:
+            out.append(best[len(drafts)])
+    else:
+        for i, d in enumerate(drafts):
+            p_V = nucleus(logp_KV[i].exp(), top_p)
+            p_V = p_V / p_V.sum()
+            q_V = draft_probs[i]
+            u = float(torch.rand((), generator=generator, dtype=torch.float64))
+            if u * float(q_V[d]) <= float(p_V[d]):
+                out.append(d)
+                continue
+            residual_V = (p_V - q_V).clamp_(min=0.0)
+            # no mass left over only when q is p up to rounding: then p itself
+            out.append(draw_from(residual_V if float(residual_V.sum()) > 0 else p_V, generator))
+            break
+        else:
+            out.append(draw_from(nucleus(logp_KV[len(drafts)].exp(), top_p), generator))
+    return [(t, float(logp_KV[i, t])) for i, t in enumerate(out)]

@@ -47,6 +47,7 @@ the same flags and environment (`server_command` prints them).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -128,6 +129,11 @@ class VLLMConfig(AtelierConfig):
     """Restarts of a server that died before the engine gives up (each outage retries its rollouts)."""
     extra_args: list[str] = Field(default_factory=list)
     """More command-line flags for the server."""
+    speculative_tokens: int = Field(0, ge=0)
+    """Draft tokens per step from the model's own MTP layers (vLLM's speculative config, method
+    mtp), for architectures whose checkpoints carry MTP layers vLLM loads (`NATIVE_MTP`). 0: off.
+    atelier's own heads (mtp.json, `atelier mtp attach`) have no vLLM loader: speculate with them
+    on the built-in engine."""
 
 
 class VLLMUnavailable(AtelierError, InfraError):
@@ -159,6 +165,41 @@ def resolved_dtype(config: VLLMConfig) -> str:
     return "bfloat16" if torch.cuda.is_available() else "float32"
 
 
+# model_type -> the config key that counts its checkpoint's MTP layers, for the architectures the
+# vLLM build loads MTP layers of (its MTPModelTypes)
+NATIVE_MTP = {"deepseek_v3": "num_nextn_predict_layers", "deepseek_v32": "num_nextn_predict_layers",
+              "glm4_moe": "num_nextn_predict_layers", "mimo": "num_nextn_predict_layers",
+              "ernie4_5_moe": "num_nextn_predict_layers", "qwen3_next": "num_nextn_predict_layers"}
+
+
+class SpeculationUnsupported(AtelierError):
+    """vLLM cannot speculate with the draft layers this model has."""
+
+
+def speculative_args(config: VLLMConfig, model_dir: str | Path) -> list[str]:
+    """The server flags of `config.speculative_tokens` for the model in `model_dir`, or
+    `SpeculationUnsupported` naming why vLLM cannot draft for it."""
+    if config.speculative_tokens == 0:
+        return []
+    d = Path(model_dir)
+    try:
+        model_config = json.loads((d / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SpeculationUnsupported(f"cannot read {d / 'config.json'} ({exc})",
+                                     hint="point the model at a Hugging Face directory") from None
+    model_type = model_config.get("model_type", "?")
+    key = NATIVE_MTP.get(model_type)
+    if key is None or not model_config.get(key):
+        own = " It has atelier MTP heads (mtp.json), which vLLM has no loader for." if (d / "mtp.json").exists() else ""
+        raise SpeculationUnsupported(
+            f"vLLM drafts with a checkpoint's own MTP layers only for {', '.join(sorted(NATIVE_MTP))} "
+            f"models that carry them; {d.name} is {model_type!r} without them.{own}",
+            hint="set vllm.speculative_tokens = 0, or use the built-in engine, which speculates with "
+                 "atelier's heads ([inference.builtin] speculate)")
+    spec = {"method": "mtp", "num_speculative_tokens": config.speculative_tokens}
+    return ["--speculative-config", json.dumps(spec)]
+
+
 def server_command(config: VLLMConfig, python: Path | str, model_dir: str | Path, served_name: str,
                    port: int, max_model_len: int) -> tuple[list[str], dict[str, str]]:
     """The command line and the extra environment of a server atelier can drive."""
@@ -176,6 +217,7 @@ def server_command(config: VLLMConfig, python: Path | str, model_dir: str | Path
             "--disable-uvicorn-access-log"]
     if config.enforce_eager:
         args.append("--enforce-eager")
+    args += speculative_args(config, model_dir)
     args += config.extra_args
     src = str(Path(atelier.__file__).resolve().parents[1])
     env = {"VLLM_SERVER_DEV_MODE": "1",

@@ -20,6 +20,9 @@ import numpy as np
 import torch
 
 from atelier.fsio import atomic_write, crash_point, told_when_disk_full
+from atelier.mtp.heads import MTPHeads
+from atelier.mtp.policy import MTPPolicyHead
+from atelier.mtp.store import save_mtp_heads
 from atelier.train.checkpoint import full_state_dict, save_sharded
 from atelier.train.collectives import barrier, named_failure
 from atelier.train.head import unwrap
@@ -29,14 +32,14 @@ CHECKPOINTS = "checkpoints"
 
 
 def save_checkpoint(run_dir: Path, head, tokenizer, optimizer, state: dict[str, Any], keep: int,
-                    ranks=None) -> Path:
+                    ranks=None, carried: MTPHeads | None = None) -> Path:
     """Write step `state['global_step']`; collective when `ranks` is sharded (every rank calls it).
 
     Rank 0 writes the Hugging Face model from the gathered full weights; with
     N ranks the optimizer goes to `sharded/` (torch.distributed.checkpoint,
     each rank its shards), with one rank into trainer_state.pt as before.
     `state.json`, written last by rank 0 after every rank's shards are down,
-    commits the checkpoint.
+    commits the checkpoint. MTP heads go beside the model (`save_model_dir`).
     """
     ranks = ranks or ONE_CPU_RANK
     root = Path(run_dir) / CHECKPOINTS
@@ -48,14 +51,13 @@ def save_checkpoint(run_dir: Path, head, tokenizer, optimizer, state: dict[str, 
     barrier(ranks)
     with told_when_disk_full(out, "writing the checkpoint"):
         with named_failure("writing a checkpoint"):
-            weights = {k.removeprefix("lm."): v for k, v in full_state_dict(head, ranks).items()}
+            weights = full_state_dict(head, ranks)
             if ranks.sharded and optimizer is not None:
                 save_sharded(out / "sharded", head, optimizer)
             barrier(ranks)
         if not ranks.main:
             return out
-        unwrap(head).save_pretrained(out, state_dict=weights)
-        tokenizer.save_pretrained(out)
+        save_model_dir(out, head, tokenizer, weights, carried)
         torch.save({
             "optimizer": optimizer.state_dict() if optimizer is not None and not ranks.sharded else None,
             "torch_rng": torch.get_rng_state(),
@@ -68,6 +70,21 @@ def save_checkpoint(run_dir: Path, head, tokenizer, optimizer, state: dict[str, 
     for old in complete_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return out
+
+
+def save_model_dir(out: Path, head, tokenizer, weights: dict[str, Any], carried: MTPHeads | None = None) -> None:
+    """A Hugging Face model directory from the policy head's full weights (`lm.*`), the tokenizer,
+    and MTP heads: the head's own (`mtp.*`, an MTPPolicyHead's) or `carried` ones, unchanged."""
+    model = unwrap(head)
+    model.save_pretrained(out, state_dict={k.removeprefix("lm."): v for k, v in weights.items()
+                                           if not k.startswith("mtp.")})
+    tokenizer.save_pretrained(out)
+    layers = model.config.num_hidden_layers
+    if isinstance(head, MTPPolicyHead):
+        save_mtp_heads(out, head.mtp, state_dict={k.removeprefix("mtp."): v for k, v in weights.items()
+                                                  if k.startswith("mtp.")}, num_hidden_layers=layers)
+    elif carried is not None:
+        save_mtp_heads(out, carried, num_hidden_layers=layers)
 
 
 def complete_checkpoints(run_dir: str | Path) -> list[Path]:

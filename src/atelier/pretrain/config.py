@@ -12,6 +12,7 @@ from typing import Literal, Optional
 from pydantic import Field, model_validator
 
 from atelier.config import AtelierConfig
+from atelier.mtp.config import MTPConfig
 
 
 class SourceConfig(AtelierConfig):
@@ -143,6 +144,8 @@ class PretrainConfig(AtelierConfig):
     # Stop (as a kill would) after this many optimizer steps of the whole run: for resume tests.
     stop_after: Optional[int] = Field(None, gt=0)
     evals: BaseEvalConfig = BaseEvalConfig()
+    # Multi-token-prediction heads trained by self-distillation in every phase (atelier.mtp).
+    mtp: MTPConfig = MTPConfig()
 
     @model_validator(mode="after")
     def _sources(self) -> "PretrainConfig":

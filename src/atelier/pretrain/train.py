@@ -46,12 +46,29 @@ import torch
 from atelier.fsio import append_line, atomic_dir, atomic_write, crash_point
 from atelier.inference.models import resolve_or_build_tiny
 from atelier.moe.attach import RouterHook, attach
+from atelier.mtp.config import MTPConfig
+from atelier.mtp.heads import MTPHeads
 from atelier.pretrain.batches import ExampleBatches, MixtureBatches
-from atelier.pretrain.checkpoint import latest_checkpoint, load_trainer_state, restore_rng, save_checkpoint
+from atelier.pretrain.checkpoint import (
+    latest_checkpoint,
+    load_trainer_state,
+    restore_rng,
+    save_checkpoint,
+    save_model_dir,
+)
 from atelier.pretrain.config import PhaseConfig, PretrainConfig
 from atelier.pretrain.corpus import build_corpus
 from atelier.pretrain.evals import run_base_evals
-from atelier.pretrain.modeling import load_model_and_tokenizer, scale_rope_theta
+from atelier.pretrain.modeling import load_model_and_tokenizer, resolve_model_path, scale_rope_theta
+from atelier.pretrain.mtp_phase import (
+    StepStats,
+    heldout_acceptance,
+    micro_loss,
+    open_heads,
+    param_groups,
+    policy_head,
+    write_acceptance_file,
+)
 from atelier.pretrain.plots import plot_losses
 from atelier.pretrain.schedule import lr_at
 from atelier.pretrain.sft_data import load_chat, load_trajectories, pack_examples
@@ -128,6 +145,10 @@ class _Run:
     corpus: Any
     log: _Logger
     precision: str
+    heads: MTPHeads | None = None
+    """The MTP heads the run trains (`[mtp]`), inside `head`."""
+    carried: MTPHeads | None = None
+    """Heads of the starting model the run does not train, saved unchanged with every checkpoint."""
 
     @property
     def device(self) -> str:
@@ -151,15 +172,15 @@ def _open(config: PretrainConfig, run_dir: Path, quiet: bool, ranks) -> _Run:
         state, payload = load_trainer_state(checkpoint)
     if ranks.main:   # lines after the checkpoint (all, at a first start) are written again
         _truncate_metrics(run_dir / METRICS, state["global_step"])
-    model_spec = config.model
     if config.model in ("tiny", "tiny-moe"):
         if ranks.main:
             resolve_or_build_tiny(config.model, run_dir, seed=config.seed)   # built once, reused on resume
         barrier(ranks)
-        model_spec = str(run_dir / "base-model")
+    model_spec = str(base_model_dir(config, run_dir))
     model, tokenizer = load_model_and_tokenizer(str(checkpoint or model_spec), str(ranks.device))
+    heads, carried = open_heads(config.mtp, model, resolve_model_path(str(checkpoint or model_spec)))
     router = attach(model, config.moe_precision, router_replay=False)   # does nothing on a dense model
-    head = shard(PolicyHead(model, config.logprob_chunk), ranks, precision,
+    head = shard(policy_head(model, heads, config.mtp, config.logprob_chunk), ranks, precision,
                  activation_checkpointing=config.activation_checkpointing)
     if payload is not None:
         restore_rng(payload)
@@ -169,8 +190,10 @@ def _open(config: PretrainConfig, run_dir: Path, quiet: bool, ranks) -> _Run:
     if not ranks.main:
         corpus = _corpus(config, tokenizer, run_dir, True)
     log = _Logger(run_dir / METRICS, quiet, enabled=ranks.main)
+    if heads is not None and corpus is not None:   # where `atelier mtp eval` measures them by default
+        heads.info["heldout_repos"] = corpus.heldout_repos
     return _Run(config, run_dir, ranks, checkpoint, state, payload, model, tokenizer, router, head, corpus, log,
-                precision)
+                precision, heads, carried)
 
 
 def _run_phase(run: _Run, index: int, result: RunResult) -> bool:
@@ -187,12 +210,13 @@ def _run_phase(run: _Run, index: int, result: RunResult) -> bool:
         run.log.event({"step": state["global_step"] + 1, "phase": phase.name, "rope_theta": theta})
     batches = _batches(config, phase, index, run.corpus, run.tokenizer, state["cursor"] if mid_phase else None)
     # fused, as the RL trainer's (one kernel per tensor, no list-wide temporaries): the same update
-    optimizer = torch.optim.AdamW(head.parameters(), lr=phase.lr, betas=phase.betas,
+    optimizer = torch.optim.AdamW(param_groups(head, config.mtp), lr=phase.lr, betas=phase.betas,
                                   weight_decay=phase.weight_decay, fused=True)
     if mid_phase:
         _restore_optimizer(run, optimizer)
     for step in range(start, phase.steps):
-        metrics = _train_step(head, optimizer, batches, phase, step, ranks, run.precision, run.router)
+        metrics = _train_step(head, optimizer, batches, phase, step, ranks, run.precision, run.router,
+                              config.mtp if run.heads is not None else None)
         state = run.state = {"phase": index, "phase_step": step + 1, "global_step": state["global_step"] + 1,
                              "cursor": batches.cursor()}
         result.losses.append(metrics["loss"])
@@ -203,8 +227,12 @@ def _run_phase(run: _Run, index: int, result: RunResult) -> bool:
             val = _val_loss(head, run.corpus.heldout, phase, config, run.device)
             run.log.event({"step": state["global_step"], "phase": phase.name, "val_loss": val})
         last = step + 1 == phase.steps
+        every = config.mtp.eval_every
+        if run.heads is not None and (last or every and state["global_step"] % every == 0):
+            _mtp_acceptance(run, phase)
         if last or state["global_step"] % config.checkpoint_every == 0:
-            save_checkpoint(run.run_dir, head, run.tokenizer, optimizer, state, config.keep_checkpoints, ranks)
+            save_checkpoint(run.run_dir, head, run.tokenizer, optimizer, state, config.keep_checkpoints, ranks,
+                            carried=run.carried)
             crash_point("pretrain.after_checkpoint")
         if config.stop_after is not None and state["global_step"] >= config.stop_after and not (
                 last and index == len(config.phases) - 1):
@@ -212,6 +240,21 @@ def _run_phase(run: _Run, index: int, result: RunResult) -> bool:
             barrier(ranks)
             return True
     return False
+
+
+def _mtp_acceptance(run: _Run, phase: PhaseConfig) -> None:
+    """The heads' greedy acceptance on held-out rows: a metrics event and mtp-acceptance.json."""
+    stream = run.corpus.heldout if run.corpus is not None else None
+    if stream is None:   # e.g. an SFT-only recipe: no held-out split to measure on
+        return
+    with compute_weights([run.head], run.ranks, run.precision):   # the precision the heads train in
+        stats = heldout_acceptance(run.head, stream, phase.seq_len, run.config.mtp.eval_rows, run.device)
+    if stats is None:
+        return
+    run.log.event({"step": run.state["global_step"], "phase": phase.name,
+                   "mtp_tokens_seen": run.heads.tokens_seen, "mtp_acceptance": stats})
+    if run.ranks.main:
+        write_acceptance_file(run.run_dir, run.run_dir / METRICS, run.heads)
 
 
 def _restore_optimizer(run: _Run, optimizer) -> None:
@@ -233,14 +276,13 @@ def _finish(run: _Run, result: RunResult) -> RunResult:
     result.global_step = run.state["global_step"]
     final = run.run_dir / "final"
     with named_failure("gathering the final weights"):
-        weights = {k.removeprefix("lm."): v for k, v in full_state_dict(run.head, run.ranks).items()}
+        weights = full_state_dict(run.head, run.ranks)
     result.final_model = final
     if not run.ranks.main:
         return result
     crash_point("pretrain.before_final")
     with atomic_dir(final) as tmp:
-        run.model.save_pretrained(tmp, state_dict=weights)
-        run.tokenizer.save_pretrained(tmp)
+        save_model_dir(tmp, run.head, run.tokenizer, weights, run.carried)
     _plot(run.run_dir)
     if run.config.evals.enabled:
         result.evals = _base_evals(run.config, final, run.corpus, run.run_dir, run.device)
@@ -259,6 +301,13 @@ def _finished(config: PretrainConfig, run_dir: Path) -> RunResult | None:
     if done.get("global_step") != sum(p.steps for p in config.phases):
         return None
     return RunResult(run_dir, run_dir / "final", done["global_step"], False, [], done.get("evals"))
+
+
+def base_model_dir(config: PretrainConfig, run_dir: Path) -> Path:
+    """The model directory the run starts from (a tiny model is built into the run directory)."""
+    if config.model in ("tiny", "tiny-moe"):
+        return Path(run_dir) / "base-model"
+    return resolve_model_path(config.model)
 
 
 def prepare_run_dir(config: PretrainConfig, run_dir: Path) -> bool:
@@ -291,15 +340,16 @@ def _batches(config: PretrainConfig, phase: PhaseConfig, index: int, corpus, tok
 
 
 def _train_step(head, optimizer, batches, phase: PhaseConfig, step: int, ranks, precision: str,
-                router: RouterHook | None = None) -> dict[str, Any]:
+                router: RouterHook | None = None, mtp: MTPConfig | None = None) -> dict[str, Any]:
     """One optimizer step; on an MoE model (`router`, which only observes) also the routers' load
-    balance over every position they saw this step on this rank."""
+    balance over every position they saw this step on this rank; with `mtp` (the head is an
+    MTPPolicyHead) also the heads' KL and greedy acceptance on the step's rows."""
 
     started = time.perf_counter()
     lr = lr_at(step, lr=phase.lr, steps=phase.steps, warmup_steps=phase.warmup_steps,
                min_lr_ratio=phase.min_lr_ratio)
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
     micro = [batches.next(phase.micro_batch) for _ in range(phase.grad_accum)]
     ids_RS = np.concatenate([ids for ids, _ in micro])
     mask_RS = np.concatenate([mask for _, mask in micro])
@@ -307,15 +357,15 @@ def _train_step(head, optimizer, batches, phase: PhaseConfig, step: int, ranks, 
     plan = step_plan([int(m.sum()) + 1 for m in mask_RS], ranks.world, ranks.rank, phase.micro_batch)
     head.train()
     loss_sum = 0.0
+    stats = StepStats(mtp.heads) if mtp is not None else None
     with named_failure(f"step {step + 1} of phase '{phase.name}'"):
         with compute_weights([head], ranks, precision):
             for rows in plan:
                 ids = torch.from_numpy(ids_RS[rows] if rows else ids_RS[:1]).to(ranks.device)
                 mask = torch.from_numpy(mask_RS[rows] if rows else np.zeros_like(mask_RS[:1])).to(ranks.device)
-                logp_NS, _ = head(ids, torch.ones_like(ids))
-                nll = -(logp_NS * mask).sum()
-                (nll * (grad_scale(ranks) / total)).backward()
-                loss_sum += float(nll.detach())
+                loss, nll = micro_loss(head, ids, mask, mtp, stats)
+                (loss * (grad_scale(ranks) / total)).backward()
+                loss_sum += nll
                 if router is not None and rows:
                     router.count_experts()
         crash_point("pretrain.after_backward")   # mid-step: gradients reduced, no step taken
@@ -325,9 +375,12 @@ def _train_step(head, optimizer, batches, phase: PhaseConfig, step: int, ranks, 
         loss_sum = all_reduce_sum([loss_sum], ranks)[0]
     elapsed = time.perf_counter() - started
     tokens = phase.grad_accum * phase.micro_batch * phase.seq_len
+    if stats is not None:
+        head.mtp.tokens_seen += tokens
     return {"loss": loss_sum / total, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
             "targets": total, "tokens_per_s": tokens / elapsed, "step_s": elapsed, "ranks": ranks.world,
-            **(router.load_balance() if router is not None else {})}
+            **(router.load_balance() if router is not None else {}),
+            **(stats.metrics(ranks, head.mtp.tokens_seen) if stats is not None else {})}
 
 
 def _val_loss(head, stream, phase: PhaseConfig, config: PretrainConfig, device: str) -> float | None:
@@ -376,12 +429,25 @@ class _Logger:
         if self.enabled and not self.quiet:
             print(f"step {record['step']:>6} [{record['phase']}] loss {record['loss']:.4f} "
                   f"lr {record['lr']:.2e} gnorm {record['grad_norm']:.2f} "
-                  f"{record['tokens_per_s']:.0f} tok/s", flush=True)
+                  f"{record['tokens_per_s']:.0f} tok/s" + _mtp_line(record), flush=True)
 
     def event(self, record: dict[str, Any]) -> None:
         self._write(record)
         if self.enabled and not self.quiet:
-            print("  " + " ".join(f"{k} {v}" for k, v in record.items()), flush=True)
+            accepted = record.get("mtp_acceptance")
+            shown = {**record, "mtp_acceptance": _mtp_line(accepted)} if accepted else record
+            print("  " + " ".join(f"{k} {v}" for k, v in shown.items()), flush=True)
+
+
+def _mtp_line(record: dict[str, Any]) -> str:
+    """The heads' acceptance, short: per-head rates and the mean accepted length."""
+    if "mtp_accept" in record:
+        rates, length = record["mtp_accept"], record["mtp_accepted_length"]
+    elif "per_head" in record:
+        rates, length = [h["rate"] for h in record["per_head"]], record["mean_accepted_length"]
+    else:
+        return ""
+    return f" mtp accept {'/'.join(f'{r:.2f}' for r in rates)} length {length:.2f}"
 
 
 def _plot(run_dir: Path) -> None:

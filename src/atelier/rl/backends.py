@@ -26,6 +26,7 @@ class LocalBackend:
         self.env, self.engine, self.reader = env, engine, reader
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rollout")
         self.sync_seconds = 0.0
+        self._speculated = {"speculative_steps": 0, "drafted": 0, "accepted": 0}
 
     @property
     def version(self) -> int:
@@ -47,6 +48,19 @@ class LocalBackend:
         if latest is None or latest[1] != version:
             raise RuntimeError(f"weights of version {version} were not published (have {latest and latest[1]})")
         self.engine.update_weights(latest[0], version)
+
+    def speculation(self) -> dict[str, Any] | None:
+        """The engine's speculative decoding since the last call (drafted and accepted tokens,
+        acceptance): how well the MTP heads still guess the policy as RL moves it. None when the
+        engine does not speculate."""
+        stats = getattr(self.engine, "stats", None)
+        if not getattr(self.engine, "speculates", False) or stats is None:
+            return None
+        now = {k: stats[k] for k in self._speculated}
+        delta = {k: now[k] - self._speculated[k] for k in now}
+        self._speculated = now
+        delta["acceptance"] = delta["accepted"] / delta["drafted"] if delta["drafted"] else None
+        return delta
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

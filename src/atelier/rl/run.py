@@ -261,6 +261,9 @@ def train_step(run: Run, batch: Batch, *, idle_s: float) -> dict[str, Any]:
                           engine_swap_s=engine_swap_s,
                           counters=run.reconciler.take_counters(), idle_s=idle_s, busy_s=busy_s,
                           wall_s=time.perf_counter() - run.started, mode=config.rollout.mode)
+    speculation = getattr(run.backend, "speculation", None)
+    if speculation is not None and (drafts := speculation()) is not None:
+        record["speculation"] = drafts   # the MTP heads' acceptance as the policy moves
     run.metrics.write(record)  # commits the step
     crash_point("rl.after_metrics")
     run.reconciler.commit(batch, step)

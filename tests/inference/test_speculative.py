@@ -1,0 +1,248 @@
+"""Speculative decoding with MTP heads: exact at every temperature, the same greedy output, the same
+logprobs and versions as plain decoding, and off where it does not pay."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import httpx
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from atelier.inference.engine import EngineError, LocalEngine
+from atelier.inference.sampling import make_generator, speculative_accept
+from atelier.inference.speculative import SpeculationPolicy
+from atelier.inference.types import SamplingParams
+from atelier.mtp.heads import MTPHeads
+from atelier.mtp.store import save_mtp_heads
+from tests.inference.conftest import serving
+
+PROMPTS = [[1, 5, 9, 13, 2], [3, 3, 8], [7, 1, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 33, 35]]
+
+
+def with_heads(src, dst, heads: int = 2, agreeing: bool = False, noise: float = 0.0):
+    """A copy of model directory `src` with `heads` MTP heads: random ones, or (`agreeing`) a model
+    whose layers add nothing (its prediction after token t depends on t alone) with heads that
+    make the same prediction from their input token, so their drafts are the model's own (`noise`:
+    that much of a random matrix added to their projections, so that some drafts are rejected)."""
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(src, dst)
+    model = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32)
+    torch.manual_seed(0)
+    mtp = MTPHeads(model, heads)
+    if agreeing:
+        H = model.config.hidden_size
+        with torch.no_grad():
+            for layer in [*model.model.layers, *(head.block for head in mtp.heads)]:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+            for head in mtp.heads:   # keep the normed embedding of the head's input token
+                head.proj.weight.zero_()
+                head.proj.weight[:, H:] = torch.eye(H) + noise * torch.randn(H, H)
+            model.model.norm.weight.mul_(0.3)   # flatter distributions: samples that vary
+        model.save_pretrained(dst)
+    save_mtp_heads(dst, mtp, num_hidden_layers=model.config.num_hidden_layers)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def heads_dir(spiky_model_dir, tmp_path_factory):
+    return with_heads(spiky_model_dir, tmp_path_factory.mktemp("spec") / "random-heads")
+
+
+@pytest.fixture(scope="module")
+def agreeing_dir(spiky_model_dir, tmp_path_factory):
+    return with_heads(spiky_model_dir, tmp_path_factory.mktemp("spec") / "agreeing-heads", heads=3, agreeing=True)
+
+
+@pytest.fixture(scope="module")
+def roughly_agreeing_dir(spiky_model_dir, tmp_path_factory):
+    return with_heads(spiky_model_dir, tmp_path_factory.mktemp("spec") / "rough-heads", heads=2, agreeing=True,
+                      noise=0.5)
+
+
+def run_all(engine, params):
+    return [engine.generate(p, params) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("which,compile", [("heads_dir", False), ("agreeing_dir", False), ("agreeing_dir", True)])
+def test_greedy_output_is_the_models_with_and_without_speculation(which, compile, request):
+    """Greedy tokens and their logprobs equal plain decoding's (fp32), whatever the heads guess,
+    with the verification pass compiled or eager."""
+    params = SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=(-1,))
+    path = request.getfixturevalue(which)
+    with LocalEngine(path, dtype="float32", compile=False, speculate=False) as plain:
+        want = run_all(plain, params)
+    with LocalEngine(path, dtype="float32", compile=compile, speculate=True) as spec:
+        got = run_all(spec, params)
+        stats = dict(spec.stats)
+    assert stats["speculative_steps"] > 0 and stats["drafted"] > 0
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs)) < 1e-4
+    if which == "agreeing_dir":   # heads that agree are accepted: a step emits several tokens
+        assert stats["accepted"] > stats["drafted"] / 2
+        assert stats["speculative_steps"] < sum(len(g.token_ids) for g in got) / 2
+
+
+def test_drafts_from_part_of_the_vocabulary_keep_the_output_exact(roughly_agreeing_dir, monkeypatch):
+    """Heads that draft from the first 64 token ids only: greedy and sampled tokens as without
+    speculation (a draft outside them is never made; every emitted token is the model's)."""
+    monkeypatch.setattr("atelier.inference.speculative.DRAFT_VOCAB", 64)
+    runs = {}
+    for spec in (False, True):
+        with LocalEngine(roughly_agreeing_dir, dtype="float32", compile=False, speculate=spec) as engine:
+            if spec:
+                assert engine._heads.vocab == 64
+            runs[spec] = [engine.generate(p, SamplingParams(max_tokens=25, temperature=0.0, stop_token_ids=(-1,)))
+                          .token_ids for p in PROMPTS]
+    assert runs[True] == runs[False]
+
+
+def test_rejection_sampling_is_exact():
+    """Speculative samples of one position are distributed as the target, whatever the draft
+    distribution (chi-square, fixed seeds): the drafted token's and the correction's share."""
+    torch.manual_seed(1)
+    V, draws = 6, 6000
+    logits = torch.randn(2, V) * 1.5
+    q = torch.softmax(torch.randn(V), dim=-1)
+    target = torch.softmax(logits[0] / 0.7, dim=-1)
+    g = make_generator(3)
+    counts = torch.zeros(V)
+    for _ in range(draws):
+        d = int(torch.multinomial(q, 1, generator=g))
+        first, _ = speculative_accept(logits, [d], [q], 0.7, 1.0, g)[0]
+        counts[first] += 1
+    assert chisquare(counts.numpy(), (target * draws).numpy()).pvalue > 1e-3
+
+
+def test_speculative_samples_match_plain_samples(roughly_agreeing_dir):
+    """At temperature 0.7 the first tokens after a prompt follow the same distribution with and
+    without speculation: a chi-square test of the two samples' second-token counts."""
+    prompt, n = PROMPTS[0], 500
+    counts = {}
+    for name, spec in (("plain", False), ("spec", True)):
+        with LocalEngine(roughly_agreeing_dir, dtype="float32", compile=False, speculate=spec,
+                         prefix_cache_tokens=0) as engine:
+            seen = {}
+            for seed in range(n):
+                ids = engine.generate(prompt, SamplingParams(max_tokens=3, temperature=0.7, seed=seed,
+                                                             stop_token_ids=(-1,))).token_ids
+                seen[tuple(ids[:2])] = seen.get(tuple(ids[:2]), 0) + 1
+            counts[name] = seen
+            if spec:   # drafts were both kept and rejected: the correction draws ran
+                assert 0 < engine.stats["accepted"] < engine.stats["drafted"]
+    keys = sorted(set(counts["plain"]) | set(counts["spec"]), key=lambda k: -counts["plain"].get(k, 0))
+    common = [k for k in keys if counts["plain"].get(k, 0) + counts["spec"].get(k, 0) >= 10]
+    table = [[counts[s].get(k, 0) for k in common] + [n - sum(counts[s].get(k, 0) for k in common)]
+             for s in ("plain", "spec")]
+    from scipy.stats import chi2_contingency
+
+    assert chi2_contingency(table).pvalue > 1e-3
+
+
+def test_logprobs_are_the_models_at_the_sampling_temperature(agreeing_dir):
+    """Every emitted token's logprob is log_softmax(logits / T) of the model at its position, as
+    the trainer recomputes it (fp32, within 1e-4)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(agreeing_dir, dtype=torch.float32).eval()
+    with LocalEngine(agreeing_dir, dtype="float32", compile=False, speculate=True) as engine:
+        out = engine.generate(PROMPTS[2], SamplingParams(max_tokens=30, temperature=1.0, seed=5,
+                                                         stop_token_ids=(-1,)))
+        assert engine.stats["accepted"] > 0
+    ids = torch.tensor([PROMPTS[2] + out.token_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+    start = len(PROMPTS[2]) - 1
+    want = [float(logp[start + i, t]) for i, t in enumerate(out.token_ids)]
+    assert max(abs(a - b) for a, b in zip(out.logprobs, want)) < 1e-4
+
+
+def test_versions_and_logprobs_across_a_weight_update(agreeing_dir):
+    """An update mid-generation: tokens before it carry the old version, after it the new one,
+    and every token after it was verified by the new weights (its logprob is theirs)."""
+    from safetensors.torch import load_file
+
+    with LocalEngine(agreeing_dir, dtype="float32", compile=False, speculate=True) as engine:
+        weights = {k: v.clone() for k, v in load_file(str(agreeing_dir / "model.safetensors")).items()}
+        changed = {k: v * 1.05 for k, v in weights.items() if "mlp" in k}
+        seen = threading.Event()
+        first_update: list[int] = []
+
+        def on_token(token, logprob, version):
+            if not seen.is_set():
+                seen.set()
+
+        handle = engine.submit(PROMPTS[1], SamplingParams(max_tokens=120, temperature=0.0, stop_token_ids=(-1,)),
+                               on_token=on_token)
+        seen.wait(30)
+        engine.update_weights(changed, version=1)
+        out = handle.result(60)
+        first_update = [i for i, v in enumerate(out.versions) if v == 1]
+    assert first_update and out.versions[:first_update[0]] == [0] * first_update[0]
+    assert all(v == 1 for v in out.versions[first_update[0]:])
+
+
+def test_a_model_without_heads_decodes_plainly_and_speculate_true_needs_heads(spiky_model_dir):
+    with LocalEngine(spiky_model_dir, dtype="float32", compile=False) as engine:
+        engine.generate(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0.0))
+        assert engine.stats["speculative_steps"] == 0
+    with pytest.raises(EngineError, match="no MTP heads"):
+        LocalEngine(spiky_model_dir, dtype="float32", compile=False, speculate=True)
+
+
+def test_stop_sequences_and_max_tokens_cut_accepted_drafts(agreeing_dir):
+    """A stop token or max_tokens inside a step's accepted drafts ends the request right there."""
+    base = SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=(-1,))
+    with LocalEngine(agreeing_dir, dtype="float32", compile=False, speculate=False) as plain:
+        ref = plain.generate(PROMPTS[2], base).token_ids
+    stop = ref[7]
+    with LocalEngine(agreeing_dir, dtype="float32", compile=False, speculate=True) as spec:
+        cut = spec.generate(PROMPTS[2], SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=(stop,)))
+        short = spec.generate(PROMPTS[2], SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=(-1,)))
+    assert cut.token_ids == ref[:ref.index(stop) + 1] and cut.finish_reason == "stop"
+    assert short.token_ids == ref[:5] and short.finish_reason == "length"
+
+
+def test_policy_keeps_the_faster_kind_of_step(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("atelier.inference.speculative.time.monotonic", lambda: clock[0])
+    policy = SpeculationPolicy(True, max_batch=16)
+    assert not policy.choose(32)                     # above max_batch: never
+    for _ in range(3):
+        assert policy.choose(4)
+        policy.record(True, 4, 0.030, 4)             # 7.5 ms a token speculating
+        clock[0] += 0.1
+    clock[0] += 10
+    assert not policy.choose(4)                      # a probe of plain steps
+    policy.record(False, 4, 0.012, 4)                # 3 ms a token: plain wins
+    assert not policy.choose(4) and policy.switches == 1
+    assert not SpeculationPolicy(False, 16).choose(1)
+
+
+def test_vllm_refuses_heads_it_cannot_load(heads_dir):
+    """vLLM drafts only with MTP layers of the architectures it knows: atelier's heads on a Llama
+    get a typed error naming the way out, and no flag reaches a server."""
+    from atelier.inference.vllm_server import SpeculationUnsupported, VLLMConfig, speculative_args
+
+    assert speculative_args(VLLMConfig(), heads_dir) == []
+    with pytest.raises(SpeculationUnsupported, match="mtp.json") as caught:
+        speculative_args(VLLMConfig(speculative_tokens=2), heads_dir)
+    assert "built-in engine" in caught.value.hint
+
+
+def test_serve_speculates_through_the_openai_api(agreeing_dir):
+    """`atelier serve`'s engine with heads answers completions as the plain engine does (greedy)."""
+    body = {"model": "m", "prompt": [PROMPTS[2]], "max_tokens": 20, "temperature": 0, "logprobs": 1}
+    answers = []
+    for spec in (False, True):
+        with LocalEngine(agreeing_dir, dtype="float32", compile=False, speculate=spec, name="m") as engine, \
+                serving(engine) as url:
+            answers.append(httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0])
+            assert engine.stats["speculative_steps"] > 0 if spec else engine.stats["speculative_steps"] == 0
+    assert answers[0]["text"] == answers[1]["text"]
+    assert answers[0]["logprobs"]["tokens"] == answers[1]["logprobs"]["tokens"]
