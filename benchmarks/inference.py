@@ -1,6 +1,7 @@
 """Generation speed of the built-in engine against transformers and vLLM, interleaved, in one run.
 
-Rows (`--rows`): the built-in engine (`builtin_bf16`, `builtin_fp32`), transformers' `generate`
+Rows (`--rows`): the built-in engine (`builtin_bf16`, `builtin_fp32`; `builtin1thread_bf16`
+pinned to one thread, to see what choosing the thread count per step is worth), transformers' `generate`
 over one left-padded batch (`transformers_padded_bf16`, `..._fp32`: its best configuration
 when every request is known up front) and a vLLM server (`vllm_bf16`, `vllm_fp32`, from the
 `make vllm-env` environment; one request per generation, prefix caching on: its best
@@ -177,12 +178,15 @@ def timed(fn):
 
 # -- rows: each lives in a process of its own -----------------------------------------------
 class BuiltinRow:
+    threads: int | None = None   # None: the engine chooses per step
+
     def __init__(self, args, dtype: str) -> None:
         from atelier.inference.engine import LocalEngine
         from atelier.inference.types import SamplingParams
 
         self.args = args
-        self.engine = LocalEngine(model_dir(args.model), device=args.device, dtype=dtype, max_batch=max(args.batches))
+        self.engine = LocalEngine(model_dir(args.model), device=args.device, dtype=dtype, max_batch=max(args.batches),
+                                  threads=self.threads)
         self.prompts = chat_prompts(self.engine.tokenizer, max(args.batches))
         self.params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, stop_token_ids=(-1,))
 
@@ -298,7 +302,14 @@ class VLLMRow:
         self.engine.close()
 
 
-ROW_KINDS = {"builtin": BuiltinRow, "transformers_padded": TransformersRow, "vllm": VLLMRow}
+class BuiltinOneThreadRow(BuiltinRow):
+    """The built-in engine pinned to one thread (what it did before it chose per step)."""
+
+    threads = 1
+
+
+ROW_KINDS = {"builtin": BuiltinRow, "builtin1thread": BuiltinOneThreadRow, "transformers_padded": TransformersRow,
+             "vllm": VLLMRow}
 ROWS = [f"{kind}_{dtype}" for kind in ROW_KINDS for dtype in ("bf16", "fp32")]
 
 
