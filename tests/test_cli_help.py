@@ -40,7 +40,7 @@ def test_plain_help_joins_lines_and_sets_the_example_apart() -> None:
 
 def test_the_command_tree_is_the_expected_one() -> None:
     names = {" ".join(path[1:]) for path, _ in COMMANDS}
-    assert {"run", "train", "pretrain", "eval", "base-eval", "agent", "serve", "report",
+    assert {"run", "train", "pretrain", "eval", "base-eval", "agent", "serve", "report", "results render",
             "models pull", "tasks grade", "tasks build mutate", "sandbox run"} <= names
     assert "rank" not in names
 

@@ -28,7 +28,21 @@ import re
 
 import typer
 
-from atelier.cli import agent, base_eval, eval, models, pretrain, rank, report, run, sandbox, serve, tasks, train
+from atelier.cli import (
+    agent,
+    base_eval,
+    eval,
+    models,
+    pretrain,
+    rank,
+    report,
+    results,
+    run,
+    sandbox,
+    serve,
+    tasks,
+    train,
+)
 
 app = typer.Typer(
     name="atelier",
@@ -48,6 +62,7 @@ app.command("report")(report.report_cmd)
 app.add_typer(models.models_app, name="models")
 app.add_typer(tasks.tasks_app, name="tasks")
 app.add_typer(sandbox.sandbox_app, name="sandbox")
+app.add_typer(results.results_app, name="results")
 app.command("rank", hidden=True)(rank.rank_cmd)
 
 
