@@ -88,7 +88,7 @@ def overrides(gpu: bool, steps: int, ranks: int, engine: str, model_dir: Path) -
     return sets
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--ranks", type=int, default=0, help="trainer ranks (default: every GPU; 1 on the CPU)")
@@ -96,7 +96,11 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="keep the run directory here (default: a temporary one)")
     parser.add_argument("--demo-model", help="also run recipes/demo-gpu.toml with this model directory (GPU only)")
     record.add_no_save(parser)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
     stamp = record.stamp()
 
     import torch
