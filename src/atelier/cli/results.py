@@ -35,7 +35,8 @@ def add_cmd(
     run_dir: Path = typer.Argument(..., help="A finished `atelier run` directory (it holds run.json)."),
     version: str = typer.Option(..., "--version", help="The recipe version the run belongs to (a row of the "
                                                        "README's table), e.g. 'ten passes'."),
-    log: str = typer.Option(..., "--log", help="The log entry that tells the version, e.g. docs/log/x.md."),
+    log: str = typer.Option(..., "--log", help="The log entry that tells the version, "
+                                               "e.g. docs/log/2026-12-06-ten-passes.md."),
     commit: Optional[str] = typer.Option(None, "--commit", help="The commit that made the version (default: "
                                                                  "the run's)."),
     out: Path = typer.Option(Path("results/demo"), "--out", help="Where adopted records are kept."),
