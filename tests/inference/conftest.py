@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -36,13 +39,14 @@ def generate_concurrently(engine, prompts, params, timeout: float) -> list[list[
 
 
 @contextlib.contextmanager
-def serving(engine):
-    """Serve `engine` with uvicorn on a free port in a thread; yield the base URL."""
+def serving(engine, **options):
+    """Serve `engine` with uvicorn on a free port in a thread (`options`: `create_app`'s); yield the
+    base URL."""
     import uvicorn
 
     from atelier.inference.server import create_app
 
-    srv = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=free_port(),
+    srv = uvicorn.Server(uvicorn.Config(create_app(engine, **options), host="127.0.0.1", port=free_port(),
                                         log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -82,3 +86,46 @@ def hf_model(spiky_model_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(spiky_model_dir).eval()
+
+
+@pytest.fixture(scope="module")
+def litellm():
+    """The litellm module, imported without fetching its price list (skips where it is absent)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    module = pytest.importorskip("litellm")
+    module.suppress_debug_info = True
+    yield module
+    mp.undo()
+
+
+@contextlib.contextmanager
+def atelier_serve(args: list[str], env: dict[str, str] | None = None):
+    """`atelier serve ARGS` as a process of its own on a free port, until it answers /health;
+    yields (base URL, what it wrote to stderr until then). Terminated on exit."""
+    import httpx
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "atelier.cli.main", "serve", *args, "--port", str(port)],
+                            env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        lines = []
+        assert proc.stderr is not None
+        for line in proc.stderr:  # the "serving ..." line comes once the model is loaded
+            lines.append(line)
+            if line.startswith("serving "):
+                break
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, "".join(lines)
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, "".join(lines)
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}", "".join(lines)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

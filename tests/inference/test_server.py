@@ -15,11 +15,18 @@ openai = pytest.importorskip("openai")
 
 
 @pytest.fixture(scope="module")
-def server(spiky_model_dir):
-    """(engine, base_url): uvicorn serving a LocalEngine in a thread for this module."""
+def weights_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("weights")
+
+
+@pytest.fixture(scope="module")
+def server(spiky_model_dir, weights_dir):
+    """(engine, base_url): uvicorn serving a LocalEngine in a thread for this module, weight updates
+    on from `weights_dir`."""
     from atelier.inference.engine import LocalEngine
 
-    with LocalEngine(spiky_model_dir, dtype="float32", max_batch=8) as engine, serving(engine) as url:
+    with LocalEngine(spiky_model_dir, dtype="float32", max_batch=8) as engine, \
+            serving(engine, weights_dir=weights_dir) as url:
         yield engine, url
 
 
@@ -122,7 +129,7 @@ def test_completions_text_and_token_prompts(server, oai):
     assert streamed == direct.text
 
 
-def test_generate_client_is_a_token_model_and_sees_weight_updates(server, tmp_path):
+def test_generate_client_is_a_token_model_and_sees_weight_updates(server, weights_dir):
     from safetensors.torch import save_file
 
     engine, url = server
@@ -135,9 +142,9 @@ def test_generate_client_is_a_token_model_and_sees_weight_updates(server, tmp_pa
         assert (got.token_ids, got.versions) == (direct.token_ids, direct.versions)
         assert got.logprobs == pytest.approx(direct.logprobs, abs=1e-6)
         key = "model.norm.weight"
-        save_file({key: engine.model.state_dict()[key].clone()}, str(tmp_path / "w.safetensors"))
+        save_file({key: engine.model.state_dict()[key].clone()}, str(weights_dir / "w.safetensors"))
         before = engine.version
-        assert client.update_weights_from_path(str(tmp_path / "w.safetensors"), before + 1) == 1
+        assert client.update_weights_from_path(str(weights_dir / "w.safetensors"), before + 1) == 1
         assert client.version == before + 1
         assert set(client.generate(ids, params).versions) == {before + 1}
 
@@ -148,7 +155,7 @@ def test_server_errors_reach_the_client_as_messages(server):
         with pytest.raises(ServerError, match="empty prompt"):
             client.generate([], SamplingParams(max_tokens=2))
         with pytest.raises(ServerError, match="no safetensors"):
-            client.update_weights_from_path("/nonexistent/dir", 99)
+            client.update_weights_from_path("nonexistent/dir", 99)
 
 
 def test_openai_chat_model_and_connect(server):

@@ -47,11 +47,15 @@ class ScriptedServedEngine:
     def __init__(self, model_dir: Path, texts: list[str]) -> None:
         self.script = ScriptedModel(model_dir, texts, name="scripted")
         self.tokenizer, self.path, self.name = self.script.tokenizer, Path(model_dir), "scripted"
-        self.version, self.max_seq_len, self.waiting = 0, 2048, 0
+        self.version, self.max_seq_len, self.waiting, self.max_queue = 0, 2048, 0, None
         self.pool = SimpleNamespace(used=0, num_blocks=1)
 
-    def check_request(self, prompt_tokens: int, max_tokens: int, *, strict: bool = False) -> None:
+    def check_request(self, prompt_tokens: int, max_tokens: int, *, strict: bool = False,
+                      scoring: bool = False) -> None:
         assert prompt_tokens >= 1 and 1 <= max_tokens <= self.max_seq_len
+
+    def update_weights(self, state_dict, version: int) -> None:
+        raise NotImplementedError("a script has no weights")
 
     def submit(self, prompt, params: SamplingParams, on_token=None, on_done=None) -> _Finished:
         gen = self.script.generate(prompt, params)
@@ -70,16 +74,6 @@ def scripted(spiky_model_dir):
     engine = ScriptedServedEngine(spiky_model_dir, [CALL, BROKEN, "All tests pass now."] * 2)
     with serving(engine) as url:
         yield engine, url
-
-
-@pytest.fixture(scope="module")
-def litellm():
-    mp = pytest.MonkeyPatch()
-    mp.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of the price list at import
-    module = pytest.importorskip("litellm")
-    module.suppress_debug_info = True
-    yield module
-    mp.undo()
 
 
 def _via_openai(url: str, **kwargs):

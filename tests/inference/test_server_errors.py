@@ -83,7 +83,9 @@ def test_empty_messages_bad_sampling_and_long_prompts_are_400(served, oai):
         oai.chat.completions.create(model=engine.name, messages=MESSAGES, max_tokens=4, temperature=-1)
     with pytest.raises(openai.BadRequestError, match="top_p"):
         oai.chat.completions.create(model=engine.name, messages=MESSAGES, max_tokens=4, top_p=0)
-    with pytest.raises(openai.BadRequestError, match="n=3"):
+    with pytest.raises(openai.BadRequestError, match="n must be between 1 and 128"):
+        oai.chat.completions.create(model=engine.name, messages=MESSAGES, max_tokens=4, n=129)
+    with pytest.raises(openai.BadRequestError, match="asks for 3 choices.*queues at most 2"):
         oai.chat.completions.create(model=engine.name, messages=MESSAGES, max_tokens=4, n=3)
     with pytest.raises(openai.BadRequestError, match="does not fit the context"):
         oai.completions.create(model=engine.name, prompt=[5] * (engine.max_seq_len + 10), max_tokens=4)

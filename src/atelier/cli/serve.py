@@ -5,6 +5,7 @@ Heavy modules are imported inside the command so `atelier --help` stays fast.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -30,10 +31,23 @@ def serve(
         help="Of that, tokens of earlier prompts kept for reuse (0: no prefix caching)."),
     max_queue: int = typer.Option(
         256, "--max-queue", min=0, help="Requests allowed to wait; past it the server answers 503."),
+    api_key: Optional[str] = typer.Option(
+        None, "--api-key", envvar="ATELIER_API_KEY", show_envvar=True,
+        help="Require `Authorization: Bearer KEY` on every endpoint but /health (401 otherwise)."),
+    weights_dir: Optional[Path] = typer.Option(
+        None, "--enable-weight-updates", metavar="DIR", file_okay=False,
+        help="Turn POST /v1/weights on, loading only safetensors files under DIR (off: 404)."),
+    threads: Optional[int] = typer.Option(
+        None, "--threads", min=1, help="CPU threads per engine step (default: chosen per step, as many as pay)."),
+    compile: Optional[bool] = typer.Option(
+        None, "--compile/--no-compile", help="Build the decode kernels with torch.compile (default: where a "
+                                             "C++ compiler is found)."),
 ) -> None:
-    """Serve MODEL over HTTP: /v1/chat/completions (streaming), /v1/completions,
-    /v1/models, /v1/generate (token ids), /v1/weights, /health.
-    Example: atelier serve --model smollm2-135m --port 8000"""
+    """Serve MODEL over HTTP: /v1/chat/completions and /v1/completions (OpenAI, streaming,
+    logprobs, echo), /v1/models, /v1/generate (token ids), /health, and /v1/weights when
+    weight updates are on.
+    Example: ATELIER_API_KEY=s3cret atelier serve --model smollm2-135m --host 0.0.0.0 --port 8000
+    --enable-weight-updates /srv/weights"""
     from atelier.errors import AtelierError
     from atelier.inference.models import is_url, open_model
 
@@ -42,11 +56,24 @@ def serve(
                            hint="pass a model directory or a known name such as smollm2-135m")
     import uvicorn
 
+    from atelier.inference.access import exposed
     from atelier.inference.server import create_app
 
+    if weights_dir is not None and not weights_dir.is_dir():
+        raise AtelierError(f"--enable-weight-updates {weights_dir}: no such directory",
+                           hint="create it, or name the directory the trainer writes weights to")
+    if exposed(host) and not api_key:
+        typer.echo(f"warning: serving on {host} without an API key: anyone who reaches port {port} can use "
+                   "the model; pass --api-key KEY (or set ATELIER_API_KEY)", err=True)
+    from atelier.train.devices import return_freed_memory
+
+    return_freed_memory()   # a request's large activations go back to the OS when it ends
     with open_model(model, device=device, dtype=dtype, max_batch=max_batch, kv_cache_tokens=kv_cache_tokens,
-                    prefix_cache_tokens=prefix_cache_tokens, max_queue=max_queue) as engine:
+                    prefix_cache_tokens=prefix_cache_tokens, max_queue=max_queue, threads=threads,
+                    compile=compile) as engine:
         typer.echo(f"serving {engine.name} ({str(engine.dtype).removeprefix('torch.')}, KV "
                    f"{engine.kv_bytes / 2**20:.0f} MiB for {engine.kv_cache_tokens} tokens) on "
-                   f"http://{host}:{port}/v1", err=True)
-        uvicorn.run(create_app(engine), host=host, port=port, log_level="warning")
+                   f"http://{host}:{port}/v1{', API key required' if api_key else ''}"
+                   f"{f', weight updates from {weights_dir}' if weights_dir else ''}", err=True)
+        app = create_app(engine, api_key=api_key, weights_dir=weights_dir)
+        uvicorn.run(app, host=host, port=port, log_level="warning")

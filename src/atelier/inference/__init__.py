@@ -18,7 +18,10 @@ Modules (import the one you need; this package imports nothing heavy):
 - `forward`: the batched Llama-family forward pass over the paged KV cache.
 - `prefix_cache`: `BlockPool`, the KV blocks (per-sequence allocation) and the prefix cache over them.
 - `sampling`: temperature / top-p / seeded sampling and the logprob it reports.
-- `server`: `create_app(engine)`, the FastAPI app behind `atelier serve`.
+- `server`: `create_app(engine, api_key=None, weights_dir=None)`, the FastAPI app behind
+  `atelier serve`; `openai_requests` and `openai_replies`: the OpenAI request bodies with the
+  checks that refuse what the server cannot honour, and the reply shapes (logprobs, echo, usage);
+  `streaming`: server-sent events; `access`: the API key and the weights directory.
 - `client`: `GenerateClient` (TokenModel over `/v1/generate`), `OpenAIChatModel`
   (ChatModel over any OpenAI-compatible server), `connect(url)`.
 - `scripted`: models that replay canned outputs, for tests and demos.

@@ -1,9 +1,10 @@
 """HTTP clients: a `TokenModel` over our `/v1/generate`, a `ChatModel` over any OpenAI endpoint.
 
-- `GenerateClient(base_url, tokenizer=None)`: token ids in, token ids,
-  logprobs and versions out, against `atelier serve`. The tokenizer is
-  passed in, or loaded from the `tokenizer_path` that `/v1/models`
-  advertises (which works when client and server share a filesystem).
+- `GenerateClient(base_url, tokenizer=None, api_key=None)`: token ids in,
+  token ids, logprobs and versions out, against `atelier serve` (`api_key`:
+  the server's `--api-key`). The tokenizer is passed in, or loaded from the
+  `tokenizer_path` that `/v1/models` advertises (which works when client
+  and server share a filesystem).
 - `OpenAIChatModel(base_url, api_key=None, model=None)`: chat messages in, an
   assistant message out, against any OpenAI-compatible server (ours, vLLM,
   SGLang, a hosted API). Native `tool_calls` are returned normalised to
@@ -78,9 +79,10 @@ def _sampling_body(params: SamplingParams) -> dict[str, Any]:
 class GenerateClient:
     """A `TokenModel` served by `atelier serve` (see the module docstring)."""
 
-    def __init__(self, base_url: str, tokenizer: Any = None, *, timeout: float = 600.0) -> None:
+    def __init__(self, base_url: str, tokenizer: Any = None, *, api_key: str | None = None,
+                 timeout: float = 600.0) -> None:
         self.base_url = _root(base_url)
-        self._client = _http(base_url, timeout)
+        self._client = _http(base_url, timeout, api_key)
         entry = _call(self._client, "GET", "/v1/models")["data"][0]
         self.name = entry["id"]
         meta = entry.get("atelier") or {}
@@ -115,7 +117,9 @@ class GenerateClient:
                           routes=decode_routes(out.get("routes")))
 
     def update_weights_from_path(self, path: str, version: int) -> int:
-        """Ask the server to load safetensors weights from `path` (its filesystem) as `version`."""
+        """Ask the server to load safetensors weights from `path` as `version`: a path on the
+        server's filesystem under the directory it was started with (`--enable-weight-updates
+        DIR`), absolute or relative to it."""
         return int(_call(self._client, "POST", "/v1/weights", json={"path": str(path), "version": version})["tensors"])
 
     def close(self) -> None:
@@ -191,7 +195,7 @@ def connect(url: str, *, api_key: str | None = None, model: str | None = None, t
     finally:
         probe.close()
     if data and data[0].get("atelier") and (tokenizer is not None or _loadable(data[0]["atelier"])):
-        return GenerateClient(url, tokenizer, timeout=timeout)
+        return GenerateClient(url, tokenizer, api_key=api_key, timeout=timeout)
     return OpenAIChatModel(url, api_key, model, timeout=timeout)
 
 

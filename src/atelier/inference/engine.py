@@ -85,6 +85,7 @@ thread count chosen per step (`atelier.inference.threads`).
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from dataclasses import dataclass, field
@@ -103,7 +104,7 @@ from atelier.inference.threads import StepThreads
 from atelier.inference.threads import threads as running_on
 from atelier.inference.types import DEFAULT_KV_CACHE_TOKENS, DEFAULT_PREFIX_CACHE_TOKENS, Generation, SamplingParams
 from atelier.moe.replay import pack_routes
-from atelier.train.devices import cpu_has_bf16
+from atelier.train.devices import cpu_has_bf16, trim_freed_memory
 
 TokenCallback = Callable[[int, float, int], None]
 KV_BLOCK = 32  # positions per KV block (and per prefix-cache entry)
@@ -296,6 +297,10 @@ class LocalEngine:
         self._default_stop = frozenset([eos] if eos is not None else [])
         # on a GPU the CPU threads only feed it: nothing to choose
         self._threads = StepThreads(threads if self.device.type == "cpu" else threads or torch.get_num_threads())
+        # loading converted the checkpoint's tensors and fused the projections: hand what that freed
+        # back to the OS, or it stays resident beside the weights for the engine's life
+        gc.collect()
+        trim_freed_memory()
 
     def _run(self, *load) -> None:
         *args, loaded, ready = load

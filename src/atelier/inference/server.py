@@ -1,6 +1,10 @@
 """An OpenAI-compatible HTTP server over a `LocalEngine`, plus token-level endpoints.
 
-`create_app(engine) -> FastAPI`; `atelier serve --model M --port P` runs it.
+`create_app(engine, *, api_key=None, weights_dir=None) -> FastAPI`;
+`atelier serve --model M --port P [--api-key KEY] [--enable-weight-updates DIR]`
+runs it. With `api_key`, every path but `/health` answers 401 without
+`Authorization: Bearer KEY`; `/v1/weights` answers 404 unless `weights_dir`
+is given, and then loads only from under it (see `atelier.inference.access`).
 
 Endpoints:
 
@@ -8,79 +12,123 @@ Endpoints:
 - `GET /v1/models` -> the OpenAI list; the one entry carries an `atelier`
   object: `version`, `tokenizer_path` (the model directory, from which a
   client on the same filesystem loads the tokenizer) and `max_seq_len`.
-- `POST /v1/chat/completions` (OpenAI; `stream: true` gives server-sent
-  events). Every choice, and every streamed chunk, carries an `atelier`
-  extension: `token_ids`, `logprobs`, `versions` of the tokens it covers (the
-  final choice also has `prompt_token_ids`), so a client that streams still
-  gets every token id exactly once. `logprobs: true` also fills the standard
-  `logprobs.content` list. When the request declares `tools`, well-formed
-  `<tool_call>` blocks in a non-streamed reply come back as native
-  `tool_calls` (finish_reason "tool_calls"); streamed replies carry the text
-  as generated.
-- `POST /v1/completions` (OpenAI): `prompt` is a string or a list of token
-  ids; `logprobs: N` fills the standard legacy `logprobs` object.
+- `POST /v1/chat/completions` (OpenAI): `n` choices, `logprobs` with
+  `top_logprobs` (N most likely per token), `usage`, `stream: true`
+  (server-sent events, `stream_options.include_usage`). Every choice, and
+  every streamed chunk, carries an `atelier` extension: `token_ids`,
+  `logprobs`, `versions` of the tokens it covers (the final choice also has
+  `prompt_token_ids`), so a client that streams still gets every token id
+  exactly once. When the request declares `tools` (and `tool_choice` is not
+  "none"), well-formed `<tool_call>` blocks in a non-streamed reply come back
+  as native `tool_calls` (finish_reason "tool_calls"); streamed replies carry
+  the text as generated.
+- `POST /v1/completions` (OpenAI's legacy API, as vLLM serves it): `prompt`
+  is a string, a list of token ids, or a list of either (one choice per
+  prompt per `n`, `index = prompt * n + j`); `logprobs: N` gives each
+  token's logprob and the N most likely tokens; `echo` puts the prompt before
+  the completion, and with `logprobs` scores it (its first token's logprob is
+  null), and allows `max_tokens: 0` (the prompt alone, what lm-evaluation-
+  harness's loglikelihood tasks ask for). Shapes: `atelier.inference.openai_replies`.
 - `POST /v1/generate`: `{"prompt_ids": [...], "max_tokens", "temperature",
   "top_p", "seed", "stop_token_ids", "stop"}` -> `{"token_ids", "logprobs",
   "versions", "finish_reason", "text"}`, plus `"routes"` on an MoE model: the
   experts chosen for every position of prompt + tokens, `{"dtype", "shape",
   "b64"}` (atelier.inference.routes; router replay).
-- `POST /v1/weights`: `{"path": "<file.safetensors or directory>", "version":
-  N}` loads the tensors (model `state_dict` names; a subset is fine) between
-  decode steps and answers `{"version": N, "tensors": count}` once they are
-  live. In-flight requests continue on the new weights; the versions in
-  their replies show where the change happened.
+- `POST /v1/weights` (only with `weights_dir`): `{"path": "<file.safetensors
+  or directory, under weights_dir>", "version": N}` loads the tensors (model
+  `state_dict` names; a subset is fine) between decode steps and answers
+  `{"version": N, "tensors": count}` once they are live. In-flight requests
+  continue on the new weights; the versions in their replies show where the
+  change happened.
+
+Sampling: logprobs, the prompt's included, are those of the request's
+temperature (greedy: the untempered distribution), before top-p
+(`atelier.inference.sampling`). `n` > 1 submits n requests that the engine
+batches; with a `seed`, choice j samples with seed + j, so a seeded request
+reproduces.
 
 Errors a client causes answer a 4xx with OpenAI's error shape plus a hint,
 `{"error": {"message", "type", "param", "code", "hint"}}`:
 
-- 400: a body that is not JSON or not an object, a field of the wrong type, an
-  empty `messages` list, `max_tokens` below 1 or above the model's context, a
-  prompt that does not fit the context, a `temperature` below 0 or not finite,
-  `top_p` outside (0, 1], a `seed` wider than 64 bits, an empty stop string,
-  `n != 1`, a chat template that cannot render the messages, bad weights;
+- 400: a body that is not JSON or not an object, a field of the wrong type, a
+  field this server does not implement (named; see
+  `atelier.inference.openai_requests` for those accepted at a value that asks
+  for nothing), an empty `messages` list, `max_tokens` below 1 (0 with
+  `echo`) or above the model's context, a prompt that does not fit the
+  context, a `temperature` below 0 or not finite, `top_p` outside (0, 1], a
+  `seed` wider than 64 bits, an empty stop string, `n` outside [1, 128] or
+  more choices than the queue holds, `logprobs`/`top_logprobs` above 20,
+  logprobs with `stream`, a chat template that cannot render the messages,
+  bad weights or a weights path outside `weights_dir`;
+- 401: no or a wrong API key (when the server has one);
 - 404: a `model` that is not the one served (its name, its directory, or the
-  directory's base name; leaving `model` out is fine);
+  directory's base name; leaving `model` out is fine), `/v1/weights` when
+  weight updates are off, an unknown path;
 - 503 with `Retry-After`: more than `max_queue` requests already wait for the
   engine (the `openai` client retries these by itself).
 
-Concurrency and cancellation: handlers are coroutines. A request goes to the
-engine with `engine.submit` and the handler awaits its completion, so any
-number of clients wait without a thread each, and the engine batches them.
-While it waits, the handler also listens for the client going away: a
+Concurrency and cancellation: handlers are coroutines. A request's choices go
+to the engine with `engine.submit` and the handler awaits their completion,
+so any number of clients wait without a thread each, and the engine batches
+them. While it waits, the handler also listens for the client going away: a
 non-streaming client that disconnects, or a streaming one whose connection
-drops (Starlette cancels the stream), cancels its request, which leaves the
-engine within one step and gives back its KV blocks.
+drops (Starlette cancels the stream), cancels its requests, which leave the
+engine within one step and give back their KV blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import math
-import re
 import time
 import uuid
-from typing import Any, Optional, Union
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
-from atelier.errors import AtelierError
+from atelier.errors import AtelierError, InfraError
+from atelier.inference import openai_replies as replies
+from atelier.inference.access import RequireApiKey, load_weights
 from atelier.inference.engine import EngineBusy
+from atelier.inference.openai_replies import split_tool_calls, visible_text  # noqa: F401  (re-exported)
+from atelier.inference.openai_requests import (
+    BadRequest,
+    ChatRequest,
+    CompletionRequest,
+    GenerateRequest,
+    WeightsRequest,
+    validation_message,
+    with_limits,
+)
 from atelier.inference.routes import encode_routes
+from atelier.inference.streaming import Choice, stream, submit_all
 from atelier.inference.types import Generation, SamplingParams
 
 
-class BadRequest(AtelierError):
-    """A request the API refuses before it reaches the engine (HTTP `status`, 400 by default)."""
+class ServedEngine(Protocol):
+    """What `create_app` needs of an engine (`LocalEngine` has it all)."""
 
-    def __init__(self, message: str, hint: str | None = None, *, status: int = 400, param: str | None = None,
-                 code: str | None = None) -> None:
-        super().__init__(message, hint=hint)
-        self.status, self.param, self.code = status, param, code
+    name: str
+    path: Path
+    tokenizer: Any
+    version: int
+    max_seq_len: int
+    max_queue: int | None
+    waiting: int
+    pool: Any
+
+    def check_request(self, prompt_tokens: int, max_tokens: int, *, strict: bool = False,
+                      scoring: bool = False) -> None: ...
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, on_token=None, on_done=None): ...
+
+    def update_weights(self, state_dict: dict[str, Any], version: int) -> None: ...
 
 
 def _error(status: int, message: str, hint: str | None = None, *, type_: str = "invalid_request_error",
@@ -89,154 +137,33 @@ def _error(status: int, message: str, hint: str | None = None, *, type_: str = "
         "message": message, "type": type_, "param": param, "code": code, "hint": hint}})
 
 
-def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
-    """One readable sentence for pydantic's errors, and the parameter it is about."""
-    first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    if first.get("type") == "json_invalid":
-        ctx = first.get("ctx") or {}
-        return f"malformed JSON body: {ctx.get('error', first.get('msg', 'cannot parse'))}", None
-    if not loc and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
-        return "the request body must be a JSON object", None
-    param = ".".join(loc) or None
-    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    return f"invalid {param or 'body'}: {first.get('msg', 'invalid value')}{more}", param
-
-
 class _ClientGone(Exception):
     """The HTTP client disconnected before its request finished."""
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")  # OpenAI clients send fields we ignore (n=1, user, ...)
+def create_app(engine: ServedEngine, *, api_key: str | None = None, weights_dir: str | Path | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` (a `LocalEngine`); see the module docstring.
 
-    model: Optional[str] = None
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: Optional[int] = None
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: Optional[list[int]] = None
-    stream: bool = False
-    n: Optional[int] = None
-
-    def params(self, default_max: int) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        # Checked here, not in the engine: a value the sampler cannot use (NaN) would fail every
-        # request batched with this one, and a seed torch cannot take would fail as a 500.
-        if not 0 <= self.temperature < math.inf:
-            raise BadRequest(f"temperature must be a finite number >= 0, got {self.temperature}",
-                             param="temperature")
-        if not 0 < self.top_p <= 1:
-            raise BadRequest(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
-        if self.seed is not None and not -2**63 <= self.seed < 2**64:
-            raise BadRequest(f"seed must fit in 64 bits, got {self.seed}", param="seed")
-        if any(not s for s in stop):
-            raise BadRequest("stop strings must not be empty", param="stop")
-        if self.n not in (None, 1):
-            raise BadRequest(f"n={self.n} is not supported: this server returns one choice per request",
-                             hint="send n separate requests (they are batched together)", param="n")
-        chosen = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return SamplingParams(
-            max_tokens=default_max if chosen is None else chosen,
-            temperature=self.temperature, top_p=self.top_p, seed=self.seed,
-            stop_token_ids=tuple(self.stop_token_ids or ()), stop=tuple(stop),
-        )
-
-
-class ChatRequest(_Sampling):
-    messages: list[dict[str, Any]]
-    tools: Optional[list[dict[str, Any]]] = None
-    logprobs: bool = False
-
-
-class CompletionRequest(_Sampling):
-    prompt: Union[str, list[int]]
-    logprobs: Optional[int] = None
-
-
-class GenerateRequest(_Sampling):
-    prompt_ids: list[int]
-
-
-class WeightsRequest(BaseModel):
-    path: str
-    version: int
-
-
-def _text_of(content: Any) -> str:
-    """OpenAI message content: a string, None, or a list of parts."""
-    if content is None:
-        return ""
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return str(content)
-
-
-def visible_text(text: str, stop: tuple[str, ...], final: bool) -> str:
-    """What an OpenAI client sees: `text` cut before the first stop string.
-
-    Mid-stream (`final=False`) a tail that could still grow into a stop string
-    is held back too, so streamed text never shows part of a stop string. The
-    token ids (in the `atelier` extension) always include the stop tokens.
+    `api_key`: required of every request but `/health` (None: no authentication).
+    `weights_dir`: turns `/v1/weights` on, for files under this directory (None: 404).
     """
-    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-    if cut >= 0:
-        return text[:cut]
-    if not final:
-        for s in stop:
-            for n in range(min(len(s) - 1, len(text)), 0, -1):
-                if text.endswith(s[:n]):
-                    text = text[:-n]
-                    break
-    return text
-
-
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
-def split_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """Hermes-style `<tool_call>{"name", "arguments"}</tool_call>` blocks -> OpenAI `tool_calls`.
-
-    Used when a chat request declares `tools` (as vLLM's hermes parser does).
-    Well-formed blocks leave the text and become calls (arguments as a JSON
-    string); a malformed block stays in the text, so the caller's own parser
-    sees it and can count it as a broken call.
-    """
-    calls: list[dict[str, Any]] = []
-
-    def take(match: re.Match) -> str:
-        try:
-            call = json.loads(match.group(1))
-        except ValueError:
-            return match.group(0)
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return match.group(0)
-        arguments = call.get("arguments", {})
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": call["name"], "arguments": json.dumps(arguments)}})
-        return ""
-
-    rest = _TOOL_CALL.sub(take, text)
-    return (rest.strip() if calls else rest), calls
-
-
-def _extension(gen: Generation, prompt_ids: list[int] | None = None) -> dict[str, Any]:
-    ext = {"token_ids": gen.token_ids, "logprobs": gen.logprobs, "versions": gen.versions}
-    if prompt_ids is not None:
-        ext["prompt_token_ids"] = prompt_ids
-    return ext
-
-
-def create_app(engine) -> FastAPI:
-    """The FastAPI app serving `engine` (a `LocalEngine`); see the module docstring."""
     app = FastAPI(title="atelier inference")
     served = _Served(engine)
     _add_error_handlers(app)
-    _add_atelier_routes(app, served)
+    _add_atelier_routes(app, served, None if weights_dir is None else Path(weights_dir))
     _add_openai_routes(app, served)
+    if api_key:
+        app.add_middleware(RequireApiKey, api_key=api_key)
+    app.openapi = lambda: _openapi_with_limits(app, engine)  # type: ignore[method-assign]
     return app
+
+
+def _openapi_with_limits(app: FastAPI, engine: ServedEngine) -> dict[str, Any]:
+    """FastAPI's schema of `app`, with this engine's limits (`with_limits`)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        app.openapi_schema = with_limits(schema, engine.max_seq_len, len(engine.tokenizer))
+    return app.openapi_schema
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -253,15 +180,23 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(AtelierError)
     async def _user_error(request: Request, exc: AtelierError) -> JSONResponse:
+        if isinstance(exc, InfraError):  # the engine closed under the request: not the client's doing
+            return _error(503, exc.message, exc.hint, type_=type(exc).__name__, headers={"Retry-After": "5"})
         return _error(400, exc.message, exc.hint, type_=type(exc).__name__)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(list(exc.errors()))
-        return _error(400, message, "send a JSON object as the OpenAI API describes", param=param)
+        message, param, hint = validation_message(list(exc.errors()))
+        return _error(400, message, hint, param=param)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        hint = ("see GET /docs for the endpoints" if exc.status_code in (404, 405)
+                else "send a UTF-8 JSON object" if exc.status_code == 400 else None)
+        return _error(exc.status_code, str(exc.detail), hint, headers=getattr(exc, "headers", None))
 
 
-def _add_atelier_routes(app: FastAPI, served: _Served) -> None:
+def _add_atelier_routes(app: FastAPI, served: _Served, weights_dir: Path | None) -> None:
     """/health, /v1/models, /v1/generate (token ids in and out) and /v1/weights."""
     engine = served.engine
 
@@ -281,10 +216,9 @@ def _add_atelier_routes(app: FastAPI, served: _Served) -> None:
 
     @app.post("/v1/generate")
     async def generate(req: GenerateRequest, request: Request):
-        params = req.params(256)
-        served.checked(req.prompt_ids, params)
+        params = served.checked(req.prompt_ids, req.params(256), req.max_tokens_given)
         try:
-            gen = await _complete(engine, req.prompt_ids, params, request)
+            [gen] = await _complete(engine, [(req.prompt_ids, params)], request)
         except _ClientGone:
             return Response(status_code=499)
         out = {"token_ids": gen.token_ids, "logprobs": gen.logprobs, "versions": gen.versions,
@@ -295,8 +229,13 @@ def _add_atelier_routes(app: FastAPI, served: _Served) -> None:
 
     @app.post("/v1/weights")
     def weights(req: WeightsRequest) -> dict[str, Any]:
-        count = engine.update_weights_from_path(req.path, req.version)
-        return {"version": engine.version, "tensors": count}
+        if weights_dir is None:
+            raise BadRequest("weight updates are off on this server", status=404, code="weight_updates_off",
+                             hint="start it with `atelier serve --enable-weight-updates DIR` to load "
+                                  "weights from under DIR")
+        tensors = load_weights(weights_dir, req.path)
+        engine.update_weights(tensors, req.version)
+        return {"version": engine.version, "tensors": len(tensors)}
 
 
 def _add_openai_routes(app: FastAPI, served: _Served) -> None:
@@ -306,64 +245,61 @@ def _add_openai_routes(app: FastAPI, served: _Served) -> None:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         served.check_model(req.model)
-        params = req.params(16)
-        if isinstance(req.prompt, str):
-            prompt = await run_in_threadpool(served.tokenizer.encode, req.prompt)
-        else:
-            prompt = list(req.prompt)
-        served.checked(prompt, params)
+        n, params = req.check(), req.sampling()
+        prompts, texts = await run_in_threadpool(served.completion_prompts, req.prompt)
+        served.check_choices(n * len(prompts))
+        fitted = [served.checked(prompt, params, req.max_tokens_given) for prompt in prompts]
         base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": int(time.time()), "model": engine.name}
+        jobs = [(i * n + j, prompt, _seeded(fitted[i], j)) for i, prompt in enumerate(prompts) for j in range(n)]
+        echoes = [texts[k // n] if req.echo else "" for k, _, _ in jobs]
         if req.stream:
-            return _stream(engine, prompt, params, base, chat=False)
+            choices = [Choice(k, prompt, p, echo) for (k, prompt, p), echo in zip(jobs, echoes)]
+            return stream(engine, choices, base, chat=False, include_usage=req.include_usage, prompts=prompts)
         try:
-            gen = await _complete(engine, prompt, params, request)
+            gens = await _complete(engine, [(prompt, p) for _, prompt, p in jobs], request)
         except _ClientGone:
             return Response(status_code=499)
-        logprobs = None
-        if req.logprobs is not None:
-            pieces = [served.tokenizer.decode([t]) for t in gen.token_ids]
-            offsets = [sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
-            logprobs = {"tokens": pieces, "token_logprobs": gen.logprobs,
-                        "top_logprobs": [{} for _ in pieces], "text_offset": offsets}
-        choice = {"index": 0, "text": visible_text(gen.text, params.stop, True), "logprobs": logprobs,
-                  "finish_reason": gen.finish_reason,
-                  "atelier": _extension(gen, prompt)}
-        return {**base, "choices": [choice], "usage": served.usage(prompt, gen)}
+        return await run_in_threadpool(served.completion_reply, base, req, jobs, echoes, gens, prompts)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
         served.check_model(req.model)
-        params = req.params(256)
+        n, params = req.check(), req.sampling()
+        served.check_choices(n)
         prompt = await run_in_threadpool(served.chat_prompt, req)
-        served.checked(prompt, params)
+        params = served.checked(prompt, params, req.max_tokens_given)
         base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                 "created": int(time.time()), "model": engine.name}
         if req.stream:
-            return _stream(engine, prompt, params, {**base, "object": "chat.completion.chunk"}, chat=True)
+            choices = [Choice(j, prompt, _seeded(params, j)) for j in range(n)]
+            return stream(engine, choices, {**base, "object": "chat.completion.chunk"}, chat=True,
+                          include_usage=req.include_usage, prompts=[prompt])
         try:
-            gen = await _complete(engine, prompt, params, request)
+            gens = await _complete(engine, [(prompt, _seeded(params, j)) for j in range(n)], request)
         except _ClientGone:
             return Response(status_code=499)
-        content = visible_text(gen.text, params.stop, True)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        finish = gen.finish_reason
-        if req.tools:
-            content, calls = split_tool_calls(content)
-            if calls:
-                message = {"role": "assistant", "content": content or None, "tool_calls": calls}
-                finish = "tool_calls"
-        choice = {"index": 0, "message": message,
-                  "logprobs": {"content": served.token_logprobs(gen)} if req.logprobs else None,
-                  "finish_reason": finish, "atelier": _extension(gen, prompt)}
-        return {**base, "choices": [choice], "usage": served.usage(prompt, gen)}
+        choices = []
+        for j, gen in enumerate(gens):
+            message, finish = replies.chat_message(visible_text(gen.text, params.stop, True), req.parses_tool_calls)
+            logprobs = replies.chat_logprobs(served.tokenizer, gen) if req.logprobs else None
+            choices.append({"index": j, "message": message, "logprobs": logprobs,
+                            "finish_reason": finish or gen.finish_reason, "atelier": replies.extension(gen, prompt)})
+        return {**base, "choices": choices, "usage": replies.usage([prompt], gens)}
+
+
+def _seeded(params: SamplingParams, j: int) -> SamplingParams:
+    """The parameters of a request's choice j: with a seed, seed + j (kept within 64 bits)."""
+    if j == 0 or params.seed is None:
+        return params
+    return replace(params, seed=(params.seed + j) % 2**64)
 
 
 class _Served:
     """What the routes of `create_app` share: the engine, its tokenizer, the names it answers to,
     and the checks and shapes every endpoint uses."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine: ServedEngine) -> None:
         self.engine, self.tokenizer = engine, engine.tokenizer
         self.names = {engine.name, str(engine.path), engine.path.name}
 
@@ -373,16 +309,55 @@ class _Served:
                              hint="pass that name, or leave `model` out",
                              status=404, param="model", code="model_not_found")
 
-    def checked(self, prompt: list[int], params: SamplingParams) -> None:
+    def checked(self, prompt: list[int], params: SamplingParams, max_tokens_given: bool) -> SamplingParams:
+        """`params` for `prompt`, refused where the engine could never serve them; a default
+        `max_tokens` (none was given) is cut to the room the context leaves after the prompt."""
+        if not max_tokens_given:
+            params = replace(params, max_tokens=max(1, min(params.max_tokens, self.engine.max_seq_len - len(prompt))))
         try:
-            self.engine.check_request(len(prompt), params.max_tokens, strict=True)
+            self.engine.check_request(len(prompt), params.max_tokens, strict=True,
+                                      scoring=params.prompt_logprobs is not None)
         except AtelierError as exc:
             raise BadRequest(exc.message, exc.hint, param="max_tokens" if "max_tokens" in exc.message else None)
+        return params
 
-    @staticmethod
-    def usage(prompt: list[int], gen: Generation) -> dict[str, int]:
-        return {"prompt_tokens": len(prompt), "completion_tokens": len(gen.token_ids),
-                "total_tokens": len(prompt) + len(gen.token_ids)}
+    def check_choices(self, count: int) -> None:
+        """Refuse `count` choices when they alone would overflow the engine's queue (a 503 that no
+        retry could cure)."""
+        limit = self.engine.max_queue
+        if limit is not None and count > max(limit, 1):
+            raise BadRequest(f"this request asks for {count} choices (n times the prompts); the server "
+                             f"queues at most {limit}", param="n",
+                             hint="send fewer prompts or a smaller n per request, or raise --max-queue")
+
+    def completion_prompts(self, prompt: str | list[int] | list[str] | list[list[int]]
+                           ) -> tuple[list[list[int]], list[str]]:
+        """The token ids of each prompt of a completion request, and each prompt's text."""
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]  # type: ignore[list-item]
+        if not prompt:
+            raise BadRequest("prompt is an empty list", hint="send a string, token ids, or a list of either",
+                             param="prompt")
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+        texts = [p if isinstance(p, str) else self._decoded(p) for p in prompt]
+        return ids, texts
+
+    def _decoded(self, ids: list[int]) -> str:
+        vocab = len(self.tokenizer)
+        if any(not 0 <= t < vocab for t in ids):  # the engine refuses these; no text to echo
+            return ""
+        return self.tokenizer.decode(ids)
+
+    def completion_reply(self, base: dict[str, Any], req: CompletionRequest, jobs, echoes: list[str],
+                         gens: list[Generation], prompts: list[list[int]]) -> dict[str, Any]:
+        choices = []
+        for (k, prompt, params), echo, gen in zip(jobs, echoes, gens):
+            logprobs = (None if req.logprobs is None
+                        else replies.completion_logprobs(self.tokenizer, gen, prompt, req.echo))
+            choices.append({"index": k, "text": echo + visible_text(gen.text, params.stop, True),
+                            "logprobs": logprobs, "finish_reason": gen.finish_reason,
+                            "atelier": replies.extension(gen, prompt)})
+        return {**base, "choices": choices, "usage": replies.usage(prompts, gens)}
 
     def chat_prompt(self, req: ChatRequest) -> list[int]:
         if not req.messages:
@@ -391,21 +366,31 @@ class _Served:
             if not isinstance(m.get("role"), str):
                 raise BadRequest(f"messages[{i}] has no role", param=f"messages.{i}.role",
                                  hint="each message needs a role: system, user, assistant or tool")
-        messages = [{**m, "content": _text_of(m.get("content"))} for m in req.messages]
+        messages = [{**m, "content": _text_of(m.get("content"), i)} for i, m in enumerate(req.messages)]
         kwargs = {"tools": req.tools} if req.tools else {}
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                return_dict=False, **kwargs)
+                                                     return_dict=False, **kwargs)
         except Exception as exc:  # jinja errors: the messages do not fit the model's template
-            raise BadRequest(f"the chat template cannot render these messages: {exc}", param="messages") from exc
+            raise BadRequest(f"the chat template cannot render these messages: {exc}", param="messages",
+                             hint="check the roles and their order against the model's chat template") from exc
         return [int(t) for t in ids]
 
-    def token_logprobs(self, gen: Generation) -> list[dict[str, Any]]:
-        out = []
-        for tok, lp in zip(gen.token_ids, gen.logprobs):
-            piece = self.tokenizer.decode([tok])
-            out.append({"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []})
-        return out
+
+def _text_of(content: Any, i: int) -> str:
+    """OpenAI message content: a string, None, or a list of text parts (this server reads text only)."""
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        for part in content:
+            text = isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str)
+            if not text:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise BadRequest(f"messages[{i}] has a content part of type {kind!r}; this server reads text only",
+                                 hint='send content as a string or as {"type": "text", "text": ...} parts',
+                                 param=f"messages.{i}.content")
+        return "".join(p["text"] for p in content)
+    return str(content)
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -414,91 +399,29 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
-async def _complete(engine, prompt: list[int], params: SamplingParams, request: Request) -> Generation:
-    """Submit to the engine and wait without a thread; cancel the request if the client leaves."""
+async def _complete(engine, jobs: list[tuple[list[int], SamplingParams]], request: Request) -> list[Generation]:
+    """Submit every job to the engine and wait, without a thread, for all of them; cancel them if
+    the client leaves (or one is refused)."""
     loop = asyncio.get_running_loop()
     finished = asyncio.Event()
-    handle = engine.submit(prompt, params, on_done=lambda: loop.call_soon_threadsafe(finished.set))
+    left = [len(jobs)]
+
+    def one_done(_: int) -> None:
+        left[0] -= 1
+        if not left[0]:
+            finished.set()
+
+    handles = submit_all(engine, jobs, None, lambda k: loop.call_soon_threadsafe(one_done, k))
     waiter = asyncio.ensure_future(finished.wait())
     watcher = asyncio.ensure_future(_until_disconnect(request))
     try:
         await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if not finished.is_set():
             raise _ClientGone()
-        return handle.result()
+        return [handle.result() for handle in handles]
     finally:
         waiter.cancel()
         watcher.cancel()
-        if not handle.done:
-            handle.cancel()
-
-
-def _stream(engine, prompt: list[int], params: SamplingParams, base: dict[str, Any], *, chat: bool):
-    """Server-sent events: one chunk per sampled token, then the finish chunk and `[DONE]`.
-
-    Ordering: the engine's scheduler thread pushes `(token, logprob, version)`
-    into an asyncio queue in sampling order, then the end; this coroutine turns
-    them into chunks in that order. Text is the difference between decodings of
-    all tokens so far (a token that ends inside a multi-byte character holds its
-    text back until the character completes); token ids are never held back.
-    The request is submitted when the response starts; if the stream stops
-    early (the client went away), it is cancelled.
-    """
-    # Long on purpose: one SSE generator over the queue from the engine's thread and the text decoded so
-    # far; `on_token` and `chunk` are closures over that state, each a few lines.
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-    tokenizer = engine.tokenizer
-
-    def on_token(token: int, logprob: float, version: int) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, ("token", token, logprob, version))
-
-    def chunk(text: str | None, ext: dict[str, Any], finish: str | None, first: bool = False) -> str:
-        if chat:
-            delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if text:
-                delta["content"] = text
-            choice = {"index": 0, "delta": delta, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-        choice["atelier"] = ext
-        return f"data: {json.dumps({**base, 'choices': [choice]})}\n\n"
-
-    # Submitted here, so a full queue answers 503 before any byte of the stream is sent.
-    handle = engine.submit(prompt, params, on_token=on_token,
-                           on_done=lambda: loop.call_soon_threadsafe(queue.put_nowait, ("done",)))
-
-    async def events():
-        ids: list[int] = []
-        sent = ""
-        try:
-            yield chunk(None, {"token_ids": [], "logprobs": [], "versions": []}, None, first=True)
-            while True:
-                item = await queue.get()
-                if item[0] == "token":
-                    _, token, logprob, version = item
-                    ids.append(token)
-                    text = tokenizer.decode(ids, skip_special_tokens=True)
-                    new = ""
-                    if not text.endswith("\ufffd"):
-                        shown = visible_text(text, params.stop, False)
-                        if len(shown) > len(sent):
-                            new, sent = shown[len(sent):], shown
-                    yield chunk(new, {"token_ids": [token], "logprobs": [logprob], "versions": [version]}, None)
-                    continue
-                try:
-                    gen = handle.result()
-                except Exception as exc:  # reported in-band: the HTTP status is already sent
-                    message = exc.message if isinstance(exc, AtelierError) else str(exc)
-                    yield f"data: {json.dumps({'error': {'message': message, 'type': type(exc).__name__}})}\n\n"
-                    break
-                rest = visible_text(gen.text, params.stop, True)[len(sent):]
-                yield chunk(rest, {"token_ids": [], "logprobs": [], "versions": [],
-                                   "prompt_token_ids": prompt}, gen.finish_reason)
-                break
-            yield "data: [DONE]\n\n"
-        finally:
+        for handle in handles:
             if not handle.done:
                 handle.cancel()
-
-    return StreamingResponse(events(), media_type="text/event-stream")

@@ -183,7 +183,13 @@ def _hf_rows(source: SourceConfig):
                         hint="pip install datasets, or export the data to JSONL and use kind = \"jsonl\"") from None
     key = (source.dataset, source.dataset_config, source.split)
     if key not in _HF_CACHE:
-        _HF_CACHE[key] = datasets.load_dataset(source.dataset, source.dataset_config, split=source.split)
+        try:
+            _HF_CACHE[key] = datasets.load_dataset(source.dataset, source.dataset_config, split=source.split)
+        except (OSError, ValueError) as exc:   # not found, unreachable hub, bad config or split
+            raise DataError(f"source '{source.name}': cannot load the Hugging Face dataset {source.dataset!r} "
+                            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
+                            hint="check its name, config and split, that the hub is reachable or the "
+                                 "dataset cached, or export it to JSONL and use kind = \"jsonl\"") from None
     return _HF_CACHE[key]
 
 

@@ -19,6 +19,7 @@ from atelier.sandbox.base import (
     SandboxPathError,
     SandboxUnavailable,
     SnapshotMissing,
+    SnapshotUnusable,
 )
 from atelier.sandbox.factory import create_sandbox
 from atelier.sandbox.pool import PoolExhausted, SandboxPool
@@ -26,5 +27,6 @@ from atelier.sandbox.pool import PoolExhausted, SandboxPool
 __all__ = [
     "WORKDIR", "ExecResult", "Sandbox", "SandboxClosed", "SandboxConfig", "SandboxError",
     "SandboxLimitExceeded", "SandboxOutOfMemory", "SandboxPathError", "SandboxUnavailable", "SnapshotMissing",
+    "SnapshotUnusable",
     "create_sandbox", "SandboxPool", "PoolExhausted",
 ]

@@ -175,6 +175,11 @@ class SnapshotMissing(SandboxError):
     """The snapshot directory to create a sandbox from does not exist."""
 
 
+class SnapshotUnusable(SandboxError):
+    """The snapshot directory cannot become a workspace (it holds mount points, lies on a
+    pseudo-filesystem, or holds files a copy of it cannot take: see `atelier.sandbox.snapshot`)."""
+
+
 class SandboxLimitExceeded(SandboxError):
     """A limit of the sandbox was hit (disk cap, process count …)."""
 

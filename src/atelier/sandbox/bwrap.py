@@ -67,6 +67,11 @@ Not isolated:
 - `fork()` copies files, not running processes or their memory.
 - Read-only host files that are bound (the system directories) can be read.
 
+Snapshots: one directory tree on one filesystem. One that holds mount points
+or lies on a kernel pseudo-filesystem is refused (`SnapshotUnusable`); sockets,
+FIFOs, device files and unreadable files stay in the overlay as on the host;
+a copy names what it cannot take (see `atelier.sandbox.snapshot`).
+
 Fallback: where the kernel refuses an overlay mount inside a user namespace
 (Linux < 5.11, or a filesystem without user xattrs), the workspace is a copy
 of the snapshot in the sandbox's tmpfs. Creation, fork and diff then cost time
@@ -84,6 +89,7 @@ import errno
 import functools
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -117,6 +123,7 @@ from atelier.sandbox.hostfs import SANDBOX_PATH, generated_etc_files, runtime_di
 from atelier.sandbox.layers import Layer
 from atelier.sandbox.process import run_process
 from atelier.sandbox.rootmap import Stage, acting_as, check_mapped, running_as_root
+from atelier.sandbox.snapshot import check_snapshot, copy_failure
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +134,8 @@ REQUIRED_TOOLS = ("bwrap", "nsenter", "setpriv", "prlimit")
 # through /proc/PID/cwd, then wait on stdin with the shell's own `read` (no
 # extra program to start): when the host closes the pipe or dies, it exits and
 # the kernel ends the whole PID namespace.
+COPY_FAILED = 97  # the holder's exit status when it cannot copy the snapshot
+INSIDE_COPY = re.compile(r"^/\.atelier/(?:rw/upper|lower\d+)/(?:\./)?")  # the paths its cp names
 HOLDER_SCRIPT = r"""
 rw=/.atelier/rw
 if [ "$2" = overlay ] && mount -t overlay overlay -o "lowerdir=$1,upperdir=$rw/upper,workdir=$rw/work,userxattr" /workspace 2>$rw/mount.err; then
@@ -166,6 +175,7 @@ class BwrapSandbox(Sandbox):
                 f"snapshot directory {str(snapshot)!r} does not exist",
                 hint="pass the path of a repository checkout to create the sandbox from",
             )
+        check_snapshot(self.snapshot)
         if self.config.network == "host":
             log.warning("sandbox over %s shares the HOST network (network='host')", self.snapshot)
         self.name = f"{self.snapshot.name}-{uuid.uuid4().hex[:8]}"
@@ -271,6 +281,8 @@ class BwrapSandbox(Sandbox):
         if not line or line[0] != "ready":
             self._proc.kill()
             err = self._proc.communicate()[1].decode(errors="replace").strip()
+            if self._proc.returncode == COPY_FAILED:
+                raise copy_failure(self.snapshot, err, self.config.disk_mb, INSIDE_COPY)
             raise SandboxUnavailable(
                 f"bubblewrap could not create a sandbox: {err or 'no output'}",
                 hint="unprivileged user namespaces must be enabled "

@@ -12,9 +12,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import stat
+import subprocess
 from dataclasses import dataclass
 from typing import Iterator
+
+from atelier.sandbox.base import SandboxLimitExceeded, SandboxPathError
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -115,6 +119,9 @@ def entry_beneath(root_fd: int, relpath: str) -> Entry | None:
                 return Entry("file", bool(st.st_mode & 0o100), f.read())
     except (FileNotFoundError, NotADirectoryError):
         return None
+    except PermissionError:
+        raise SandboxPathError(f"cannot read {relpath!r} to compare it: permission denied",
+                               hint="a file only its owner may read cannot be diffed by another user") from None
     except OSError as exc:
         if exc.errno == errno.ELOOP:  # a parent component is a symlink
             return None
@@ -124,20 +131,50 @@ def entry_beneath(root_fd: int, relpath: str) -> Entry | None:
 def walk(root_fd: int, prefix: str = "") -> Iterator[tuple[str, os.DirEntry, int | None]]:
     """Every entry beneath `root_fd` as (relative path, entry, directory fd or
     None), parents before children, never following symlinks. A directory's fd
-    is valid only until the walk moves on."""
-    with os.scandir(root_fd) as it:
-        entries = sorted(it, key=lambda e: e.name)
-    for entry in entries:
-        rel = f"{prefix}{entry.name}"
-        if not entry.is_dir(follow_symlinks=False):
-            yield rel, entry, None
-            continue
-        try:
-            fd = os.open(entry.name, _DIR_FLAGS, dir_fd=root_fd)
-        except OSError:
-            continue
-        try:
-            yield rel, entry, fd
-            yield from walk(fd, rel + "/")
-        finally:
-            os.close(fd)
+    is valid only until the walk moves on.
+
+    Iterative, so a tree of any depth is walked; it holds one descriptor per
+    level, and a tree deeper than the open-files limit is refused."""
+    stack: list[tuple[int | None, Iterator[os.DirEntry], str]] = [(None, _sorted_entries(root_fd), prefix)]
+    try:
+        while stack:
+            fd, entries, at = stack[-1]
+            entry = next(entries, None)
+            if entry is None:
+                stack.pop()
+                if fd is not None:
+                    os.close(fd)
+                continue
+            rel = f"{at}{entry.name}"
+            if not entry.is_dir(follow_symlinks=False):
+                yield rel, entry, None
+                continue
+            try:
+                sub = os.open(entry.name, _DIR_FLAGS, dir_fd=root_fd if fd is None else fd)
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    raise SandboxLimitExceeded(
+                        f"the tree is nested {len(stack)} directories deep at {rel!r}, past the open-files limit",
+                        hint="raise the limit (ulimit -n) or make the tree shallower") from None
+                continue
+            stack.append((sub, _sorted_entries(sub), rel + "/"))
+            yield rel, entry, sub
+    finally:
+        for fd, _, _ in stack:
+            if fd is not None:
+                os.close(fd)
+
+
+def _sorted_entries(dir_fd: int) -> Iterator[os.DirEntry]:
+    with os.scandir(dir_fd) as it:
+        return iter(sorted(it, key=lambda e: e.name))
+
+
+def remove_tree(path: str | os.PathLike) -> None:
+    """Delete a directory tree, ignoring errors, at any depth: shutil.rmtree recurses once per
+    level (before Python 3.12) and a tree deeper than the interpreter's recursion limit needs
+    `rm -rf`."""
+    try:
+        shutil.rmtree(path, ignore_errors=True)
+    except RecursionError:
+        subprocess.run(["rm", "-rf", "--", os.fspath(path)], capture_output=True)

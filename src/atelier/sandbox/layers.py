@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import subprocess
 import threading
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Iterator
 
 from atelier.fsio import owned_temp_dir
 from atelier.sandbox.base import SandboxError
+from atelier.sandbox.fsutil import remove_tree
 from atelier.sandbox.hostfs import runtime_dir
 
 
@@ -40,7 +40,7 @@ class Layer:
         res = subprocess.run(["cp", "-a", "--", f"{source}/.", str(dest)],
                              capture_output=True, text=True)
         if res.returncode != 0:
-            shutil.rmtree(holder, ignore_errors=True)
+            remove_tree(holder)
             raise SandboxError(f"could not copy the sandbox's files for fork: {res.stderr.strip()}")
         return cls(dest)
 
@@ -53,7 +53,7 @@ class Layer:
             self._refs -= 1
             done = self._refs == 0
         if done:
-            shutil.rmtree(self.path.parent, ignore_errors=True)
+            remove_tree(self.path.parent)
 
     @contextlib.contextmanager
     def open(self) -> Iterator[int]:

@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from atelier.sandbox.base import (
 )
 from atelier.sandbox.hostfs import SANDBOX_PATH, runtime_dir
 from atelier.sandbox.process import run_process
+from atelier.sandbox.snapshot import check_snapshot, copied_from, copy_failure
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +52,19 @@ class LocalSandbox(Sandbox):
         if not self.snapshot.is_dir():
             raise SnapshotMissing(f"snapshot directory {str(snapshot)!r} does not exist",
                                   hint="pass the path of a repository checkout")
+        check_snapshot(self.snapshot)
         log.warning("local sandbox backend: commands run UNISOLATED on this machine, as this user")
         self._root = Path(tempfile.mkdtemp(prefix="local-", dir=runtime_dir()))
         self.workspace = self._root / "workspace"
-        shutil.copytree(_copy_from or self.snapshot, self.workspace, symlinks=True)
+        source = _copy_from or self.snapshot
+        # cp -a, as the bwrap backend's copy: sockets and FIFOs are made anew (never opened), the
+        # depth of a tree is no limit, and what cannot be copied is named.
+        copied = subprocess.run(["cp", "-a", "--no-preserve=ownership", "--", f"{source}/.", str(self.workspace)],
+                                capture_output=True, text=True)
+        if copied.returncode != 0:
+            fsutil.remove_tree(self._root)
+            raise copy_failure(self.snapshot, copied.stderr, self.config.disk_mb,
+                               copied_from(str(source), str(self.workspace)))
         (self._root / "tmp").mkdir()
         self._ws_fd = os.open(self.workspace, os.O_RDONLY | os.O_DIRECTORY)
         self._groups: list[int] = []
@@ -124,4 +135,4 @@ class LocalSandbox(Sandbox):
             except (ProcessLookupError, PermissionError):
                 pass
         os.close(self._ws_fd)
-        shutil.rmtree(self._root, ignore_errors=True)
+        fsutil.remove_tree(self._root)

@@ -66,7 +66,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from atelier.sandbox.base import Sandbox, SandboxClosed, SandboxConfig, SandboxError, SnapshotMissing
+from atelier.sandbox.base import Sandbox, SandboxClosed, SandboxConfig, SandboxError, SnapshotMissing, SnapshotUnusable
 from atelier.sandbox.factory import create_sandbox
 from atelier.sandbox.pressure import (
     CpuPressure,
@@ -345,7 +345,7 @@ class SandboxPool:
                 with self._cond:
                     entry.failures += 1
                     entry.retry_at = time.monotonic() + min(30.0, 2.0 ** entry.failures)
-                    if isinstance(exc, SnapshotMissing):
+                    if isinstance(exc, (SnapshotMissing, SnapshotUnusable)):  # no retry can cure
                         self._warm.pop(key, None)
                 log.warning("could not create a spare sandbox over %s: %s", entry.snapshot, exc)
             finally:

@@ -130,8 +130,13 @@ class Stager:
     def _clone(self, source: str, owner: tuple[int, int] | None, host_id: int) -> tuple[int, bool]:
         """A detached copy of the mount at `source`; returns (fd, idmapped)."""
         dirfd, path = self._locate(source)
+        # The stage's own tmpfs sits on STAGE_DIR, with every staged sandbox's clones on it: a
+        # recursive clone of STAGE_DIR would take those in place of the directory's files (and
+        # could not be detached). A snapshot holds no mount points (`atelier.sandbox.snapshot`),
+        # so one clone of the directory alone is the whole of it.
+        recursive = 0 if source == STAGE_DIR else AT_RECURSIVE
         fd = _check(_libc.syscall(SYS_OPEN_TREE, dirfd, path.encode(),
-                                  OPEN_TREE_CLONE | os.O_CLOEXEC | AT_RECURSIVE), f"open_tree {source}")
+                                  OPEN_TREE_CLONE | os.O_CLOEXEC | recursive), f"open_tree {source}")
         if owner is None:
             return fd, False
         key = (*owner, host_id)
@@ -142,7 +147,7 @@ class Stager:
             log.warning("no idmapped mount of %s (the workspace is a copy): %s", source, exc)
             return fd, False
         attr = _MountAttr(MOUNT_ATTR_IDMAP, 0, 0, self._userns[key])
-        res = _libc.syscall(SYS_MOUNT_SETATTR, fd, b"", AT_EMPTY_PATH | AT_RECURSIVE,
+        res = _libc.syscall(SYS_MOUNT_SETATTR, fd, b"", AT_EMPTY_PATH | recursive,
                             ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)))
         # Refused on Linux < 5.12, or a filesystem without idmapping support.
         return fd, res >= 0
