@@ -16,8 +16,14 @@ The tables:
   and after RL summed over the runs, the attempts that moved up and down, how many runs' tests
   were significant, the median wall time and the highest peak memory;
 - `runs_tables` (the docs' results page): for each version, one row per run;
+- `engine_table` (the README's and RESULTS.md's `engine` blocks): the newest record of
+  `benchmarks/inference.py`, tokens/s of every engine it ran at every batch size;
 - `benchmarks_table` (RESULTS.md's `benchmarks` block): one row per benchmark report, newest
   first: when, the commit, the machine, the load at start and end, the file.
+
+A table is rendered for the page it goes into (`page_dir`, from the repository's root): links
+are relative to it, and a page of the docs site (`page_dir="docs"`), which may link only to
+pages of the site, names a file outside it in code instead.
 
 A run's wall time is its stages' sum (`wall_s_total`) or, for a reconstructed record that has
 none, the command's own (`command_wall_s`); memory is in GB (10^9 bytes), from MiB.
@@ -34,7 +40,10 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 README_BLOCK = "demo"
+ENGINE_BLOCK = "engine"
 BENCHMARKS_BLOCK = "benchmarks"
+DOCS = "docs"
+"""The docs site's directory: its pages link only to one another."""
 
 
 def load_records(directory: Path) -> list[dict[str, Any]]:
@@ -79,8 +88,13 @@ def _measure(record: dict[str, Any], label: str) -> int | None:
 
 
 def _link(text: str, target: str | None, page_dir: str) -> str:
-    """A Markdown link to `target` (a path from the repository's root) from a page in `page_dir`."""
-    return f"[{text}]({posixpath.relpath(target, page_dir or '.')})" if target else text
+    """A Markdown link to `target` (a path from the repository's root) from a page in `page_dir`;
+    from the docs site to a file outside `docs/`, the file's path in code."""
+    if not target:
+        return text
+    if page_dir == DOCS and not target.startswith(DOCS + "/"):
+        return f"`{target}`"
+    return f"[{text}]({posixpath.relpath(target, page_dir or '.')})"
 
 
 def versions_table(records: Sequence[dict[str, Any]], page_dir: str = "") -> str:
@@ -130,18 +144,69 @@ def runs_tables(records: Sequence[dict[str, Any]], page_dir: str = "docs") -> st
     return "\n".join(out).rstrip() + "\n"
 
 
+def _repo_path(record: dict[str, Any], repo: Path) -> str:
+    return Path(record["path"]).resolve().relative_to(repo.resolve()).as_posix()
+
+
 def benchmarks_table(records: Sequence[dict[str, Any]], repo: Path, page_dir: str = "benchmarks") -> str:
     rows = ["| benchmark | started (UTC) | commit | machine | load at start → end | record |",
             "|---|---|---|---|---|---|"]
     for r in sorted(records, key=lambda r: r.get("started_utc", ""), reverse=True):
-        m = r.get("machine") or {}
-        units = ", ".join(m.get("bf16_units") or []) or "no bf16 units"
-        where = f"{m.get('gpu') or m.get('cpu', '?')}, {m.get('cores', '?')} cores ({units})"
-        name, target = Path(r["path"]).name, Path(r["path"]).resolve().relative_to(repo.resolve()).as_posix()
+        target = _repo_path(r, repo)
         rows.append(f"| {r.get('benchmark') or r.get('check', '?')} | {r.get('started_utc', '—')} "
-                    f"| `{r.get('commit', '?')}` | {where} | {r.get('load_at_start', '—')} → "
-                    f"{r.get('load_at_end', '—')} | {_link(name, target, page_dir)} |")
+                    f"| `{r.get('commit', '?')}` | {machine_name(r)} | {r.get('load_at_start', '—')} → "
+                    f"{r.get('load_at_end', '—')} | {_link(Path(target).name, target, page_dir)} |")
     return "\n".join(rows)
+
+
+def machine_name(record: dict[str, Any]) -> str:
+    m = record.get("machine") or {}
+    units = ", ".join(m.get("bf16_units") or []) or "no bf16 units"
+    return f"{m.get('gpu') or m.get('cpu', '?')}, {m.get('cores', '?')} cores ({units})"
+
+
+ENGINE_NAMES = {"builtin": "atelier's engine", "transformers_padded": "transformers, one padded `generate`",
+                "vllm": "vLLM"}
+"""What `benchmarks/inference.py` calls each engine, as a reader names it; the suffix is the dtype."""
+
+
+def engine_label(row: str) -> str:
+    """'builtin_bf16' -> "atelier's engine, bf16" (pure)."""
+    name, _, dtype = row.rpartition("_")
+    return f"{ENGINE_NAMES.get(name, name)}, {dtype}" if name else row
+
+
+def engine_table(records: Sequence[dict[str, Any]], repo: Path, page_dir: str = "") -> str:
+    """The newest inference benchmark's tokens/s per engine and batch (see the module docstring)."""
+    runs = [r for r in records if r.get("benchmark") == "inference" and r.get("rows")]
+    if not runs:
+        return "No record of `benchmarks/inference.py` yet: run it to make one."
+    r = max(runs, key=lambda r: r.get("started_utc", ""))
+    batches = [str(b) for b in r.get("batches") or sorted({k for v in r["rows"].values() for k in v if k.isdigit()},
+                                                          key=int)]
+    agent = any("agent" in v for v in r["rows"].values())
+    rows = ["| engine | " + " | ".join(f"batch {b}, tokens/s" for b in batches)
+            + (" | agent workload, s |" if agent else " |"),
+            "|---|" + "---|" * (len(batches) + agent)]
+    for name, cells in r["rows"].items():
+        figures = [f"{cells[b]['tokens_per_s']:.1f}" if b in cells else "—" for b in batches]
+        if agent:
+            figures.append(f"{cells['agent']['seconds']:.1f}" if "agent" in cells else "—")
+        rows.append(f"| {engine_label(name)} | " + " | ".join(figures) + " |")
+    ratios = r.get("ratios") or {}
+    ratio = ", ".join(f"{b}: {ratios[b]['ratio']}x" for b in batches if (ratios.get(b) or {}).get("ratio"))
+    skipped = "; ".join(f"{engine_label(name)} did not run ({why.split(':')[0]})"
+                        for name, why in (r.get("skipped") or {}).items())
+    target = _repo_path(r, repo)
+    notes = [f"Median of {r.get('repeats', 1)} runs of {r.get('new_tokens', '?')} new tokens a sequence "
+             f"({r.get('model', '?').rsplit('/', 1)[-1]}, {r.get('threads', '?')} threads), "
+             f"{machine_name(r)}, commit `{r.get('commit', '?')}`, load {r.get('load_at_start', '—')} → "
+             f"{r.get('load_at_end', '—')}: {_link(Path(target).name, target, page_dir)}."]
+    if ratio:
+        notes.append(f"The default engine over the best peer, by batch: {ratio}.")
+    if skipped:
+        notes.append(skipped + ".")
+    return "\n".join(rows) + "\n\n" + " ".join(notes)
 
 
 def render_block(text: str, name: str, table: str) -> str:
@@ -152,14 +217,24 @@ def render_block(text: str, name: str, table: str) -> str:
     return pattern.sub(lambda m: m.group(1) + table.rstrip("\n") + "\n" + m.group(2), text, count=1)
 
 
+def render_blocks(text: str, tables: dict[str, str]) -> str:
+    for name, table in tables.items():
+        text = render_block(text, name, table)
+    return text
+
+
 def rendered_files(repo: Path) -> dict[Path, str]:
     """What README.md and benchmarks/RESULTS.md should hold, rendered from `results/` and
     `benchmarks/results/`."""
     readme, bench = repo / "README.md", repo / "benchmarks" / "RESULTS.md"
-    return {readme: render_block(readme.read_text(encoding="utf-8"), README_BLOCK,
-                                 versions_table(load_records(repo / "results"))),
-            bench: render_block(bench.read_text(encoding="utf-8"), BENCHMARKS_BLOCK,
-                                benchmarks_table(load_records(repo / "benchmarks" / "results"), repo))}
+    runs, benchmarks = load_records(repo / "results"), load_records(repo / "benchmarks" / "results")
+    return {
+        readme: render_blocks(readme.read_text(encoding="utf-8"), {
+            README_BLOCK: versions_table(runs), ENGINE_BLOCK: engine_table(benchmarks, repo)}),
+        bench: render_blocks(bench.read_text(encoding="utf-8"), {
+            ENGINE_BLOCK: engine_table(benchmarks, repo, "benchmarks"),
+            BENCHMARKS_BLOCK: benchmarks_table(benchmarks, repo)}),
+    }
 
 
 def render(repo: Path, *, check: bool = False) -> list[Path]:
