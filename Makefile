@@ -69,7 +69,7 @@ demo: $(STAMP) sandbox-deps
 # ruff (pyflakes, pycodestyle, import order) and import-linter (the layer table), both configured
 # in pyproject.toml; the test targets run them first.
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks experiments
+	$(VENV)/bin/ruff check src tests benchmarks experiments docs
 	$(VENV)/bin/lint-imports
 
 # The documentation site (mkdocs-material, mkdocs.yml): the configuration and CLI references, the
