@@ -3,6 +3,7 @@ breaks), and one real example per command, checked against the command's own par
 
 from __future__ import annotations
 
+import re
 import shlex
 
 import pytest
@@ -53,6 +54,8 @@ def test_every_command_has_one_example_that_its_parser_takes(path, command) -> N
     examples = [p for p in paragraphs if p.startswith("Example: ")]
     assert len(examples) == 1, f"{' '.join(path)}: {len(examples)} examples"
     words = shlex.split(examples[0].removeprefix("Example: "))
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):   # the environment it runs in
+        words = words[1:]
     assert tuple(words[:len(path)]) == path, f"the example runs another command: {examples[0]}"
     # Unknown options and missing arguments raise; paths need not exist (resilient parsing).
     ctx = command.make_context(path[-1], list(words[len(path):]), resilient_parsing=True)
