@@ -7,14 +7,14 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --constraint constraints.txt
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-all lint bench experiment-cpt sandbox-deps test-deps vllm-env clean
+.PHONY: demo test test-all lint docs docs-check bench experiment-cpt sandbox-deps test-deps vllm-env clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # Reinstall only when the project's requirements change.
 $(STAMP): pyproject.toml constraints.txt | $(PY)
-	$(PIP) -e '.[test,ray,kernels]'
+	$(PIP) -e '.[test,ray,kernels,docs]'
 	@touch $@
 
 # vLLM runs as its own server process from its own environment: its CPU
@@ -69,13 +69,24 @@ demo: $(STAMP) sandbox-deps
 # ruff (pyflakes, pycodestyle, import order) and import-linter (the layer table), both configured
 # in pyproject.toml; the test targets run them first.
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks experiments
+	$(VENV)/bin/ruff check src tests benchmarks experiments docs
 	$(VENV)/bin/lint-imports
 
-test: $(STAMP) $(VLLM_STAMP) test-deps lint
+# The documentation site (mkdocs-material, mkdocs.yml): the configuration and CLI references, the
+# results page and the lab log's index are generated from the code and the records at every build
+# (docs/hooks/generate.py). Strict: a broken link, anchor or missing page is an error.
+MKDOCS := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
+
+docs-check: $(STAMP)
+	$(MKDOCS) build --strict --quiet
+
+docs: docs-check
+	$(MKDOCS) serve
+
+test: $(STAMP) $(VLLM_STAMP) test-deps lint docs-check
 	$(PY) -m pytest
 
-test-all: $(STAMP) $(VLLM_STAMP) test-deps lint
+test-all: $(STAMP) $(VLLM_STAMP) test-deps lint docs-check
 	$(PY) -m pytest -m ''
 
 bench: $(STAMP) sandbox-deps

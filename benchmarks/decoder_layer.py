@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import record  # noqa: E402
 from pretrain import SMOLLM2_135M  # noqa: E402
 
 
@@ -81,7 +82,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
+    record.add_no_save(parser)
     args = parser.parse_args()
+    stamp = record.stamp()
 
     import torch
     from transformers import LlamaConfig
@@ -123,7 +126,7 @@ def main() -> None:
     def ratio(a: str, b: str) -> float:
         return round(best[a] / best[b], 2)
 
-    result = {"benchmark": "decoder_layer", "seq_len": T, "threads": 1,
+    result = {"benchmark": "decoder_layer", **stamp, "seq_len": T, "threads": 1,
               "cpu_s": {k: round(v, 4) for k, v in best.items()},
               "bf16_speedup": {part: ratio(f"{part}_fp32", f"{part}_bf16")
                                for part in ("layer", "projections", "attention")},
@@ -142,7 +145,7 @@ def main() -> None:
             name: {"output": rel(outputs[f"layer_{name}_compiled"][0], outputs[f"layer_{name}"][0]),
                    "input_grad": rel(outputs[f"layer_{name}_compiled"][1], outputs[f"layer_{name}"][1])}
             for name in ("fp32", "bf16")}
-    print(json.dumps(result))
+    print(json.dumps(record.finish("decoder_layer", result, not args.no_save)))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import record  # noqa: E402
+
 SMALL = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
              num_key_value_heads=3, max_position_embeddings=2048)
 
@@ -85,14 +88,20 @@ def overrides(gpu: bool, steps: int, ranks: int, engine: str, model_dir: Path) -
     return sets
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--ranks", type=int, default=0, help="trainer ranks (default: every GPU; 1 on the CPU)")
     parser.add_argument("--engine", default="auto", choices=["auto", "builtin", "vllm"])
     parser.add_argument("--out", default=None, help="keep the run directory here (default: a temporary one)")
     parser.add_argument("--demo-model", help="also run recipes/demo-gpu.toml with this model directory (GPU only)")
-    args = parser.parse_args()
+    record.add_no_save(parser)
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    stamp = record.stamp()
 
     import torch
 
@@ -105,7 +114,7 @@ def main() -> int:
     engine = args.engine
     if engine == "auto":
         engine = "vllm" if gpu and vllm_available() else "builtin"
-    report: dict = {"check": "gpu", "torch": torch.__version__, "gpu": None, "engine": engine, "ranks": ranks}
+    report: dict = {"check": "gpu", **stamp, "torch": torch.__version__, "gpu": None, "engine": engine, "ranks": ranks}
     if gpu:
         props = torch.cuda.get_device_properties(0)
         report.update(gpu=props.name, gpus=torch.cuda.device_count(),
@@ -163,7 +172,7 @@ def main() -> int:
         checks["moe_kernels_match_reference"] = bool(report["moe_kernels"]["ok"])
     report["checks"] = checks
     report["ok"] = all(checks.values())
-    print(json.dumps(report))
+    print(json.dumps(record.finish("gpu_check", report, not args.no_save)))
     return 0 if report["ok"] else 1
 
 

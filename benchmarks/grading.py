@@ -27,6 +27,7 @@ import secrets
 import statistics
 import sys
 import time
+from pathlib import Path
 
 from atelier.sandbox import create_sandbox
 from atelier.tasks import load_task
@@ -34,6 +35,9 @@ from atelier.tasks.envs import ensure_env, env_mounts, env_python
 from atelier.tasks.grade import _restore_tests, grade, score, test_argv
 from atelier.tasks.junit import JUnitError, parse_junit
 from atelier.tasks.validate import task_dirs
+
+sys.path.insert(0, str(Path(__file__).parent))
+import record  # noqa: E402
 
 
 def grade_old(task, patch: str, backend: str, cache_dir: str | None):
@@ -70,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--backend", default="bwrap", choices=["bwrap", "local"])
     ap.add_argument("--cache-dir", default=None, help="environment cache (default: ATELIER_CACHE)")
+    record.add_no_save(ap)
     args = ap.parse_args(argv)
+    stamp = record.stamp()
     tasks = [load_task(d) for d in task_dirs(args.path)[: args.tasks]]
     for task in tasks:
         ensure_env(task, args.cache_dir)
@@ -96,13 +102,13 @@ def main(argv: list[str] | None = None) -> int:
                          "median_s": {k: round(statistics.median(v), 3) for k, v in times.items()},
                          **{k: v for k, v in outcome.items()}})
     overhead = totals["new"] / totals["old"] - 1.0 if totals["old"] else None
-    print(json.dumps({
-        "benchmark": "grading", "backend": args.backend, "tasks": len(tasks), "repeats": args.repeats,
+    print(json.dumps(record.finish("grading", {
+        "benchmark": "grading", **stamp, "backend": args.backend, "tasks": len(tasks), "repeats": args.repeats,
         "total_s": {k: round(v, 2) for k, v in totals.items()},
         "overhead": None if overhead is None else round(overhead, 4),
         "gold_false_positives": sum(t["new"]["tampered"] for t in per_task),
         "per_task": per_task,
-    }))
+    }, not args.no_save)))
     return 0
 
 

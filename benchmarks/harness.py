@@ -30,6 +30,9 @@ from atelier.inference.scripted import ScriptedModel
 from atelier.inference.tiny import build_tiny_tokenizer
 from atelier.sandbox import SandboxConfig, create_sandbox
 
+sys.path.insert(0, str(Path(__file__).parent))
+import record  # noqa: E402
+
 TARGET_P50_MS = 5.0
 
 
@@ -155,8 +158,11 @@ def main() -> None:
     parser.add_argument("--backend", choices=["bwrap", "local"], default="bwrap")
     parser.add_argument("--tokenizer", help="a Hugging Face model directory whose tokenizer and chat "
                         "template to use (default: the tiny test tokenizer)")
+    record.add_no_save(parser)
     args = parser.parse_args()
-    print(json.dumps(run(args.turns, args.backend, args.tokenizer)))
+    stamp = record.stamp()
+    report = {**run(args.turns, args.backend, args.tokenizer), **stamp}
+    print(json.dumps(record.finish("harness", report, not args.no_save)))
 
 
 if __name__ == "__main__":

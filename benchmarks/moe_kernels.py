@@ -29,6 +29,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+import record  # noqa: E402
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -38,6 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--inter", type=int, default=1536, help="output features of the timed GEMM")
     p.add_argument("--repeats", type=int, default=10)
+    record.add_no_save(p)
     return p.parse_args(argv)
 
 
@@ -158,8 +162,9 @@ def run(argv=None) -> dict:
 
 
 def main(argv=None) -> int:
-    report = run(argv)
-    print(json.dumps(report, indent=1))
+    stamp = record.stamp()
+    report = {"benchmark": "moe_kernels", **stamp, **run(argv)}
+    print(json.dumps(record.finish("moe_kernels", report, not parse_args(argv).no_save), indent=1))
     return 0 if report["ok"] else 1
 
 

@@ -24,7 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import record  # noqa: E402
 
 SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                     num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
@@ -115,7 +120,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    record.add_no_save(parser)
     args = parser.parse_args()
+    stamp = record.stamp()
 
     import torch
     from transformers.utils import logging as hf_logging
@@ -140,11 +147,11 @@ def main() -> None:
         row.update(model_gflop_per_token=round(flops_per_token / 1e9, 3), achieved_gflops=round(achieved, 2),
                    mfu=round(achieved / peak, 4), mfu_cpu_time=round(achieved_cpu / peak_cpu, 4))
         results.append(row)
-    print(json.dumps({
-        "benchmark": "pretrain", "model": args.model, "weights": source, "params": params,
+    print(json.dumps(record.finish("pretrain", {
+        "benchmark": "pretrain", **stamp, "model": args.model, "weights": source, "params": params,
         "device": device, "precision": "bf16 autocast" if bf16 else "fp32", "threads": torch.get_num_threads(),
         "matmul_gflops": round(peak, 2), "matmul_gflops_per_cpu_s": round(peak_cpu, 2), "results": results,
-    }))
+    }, not args.no_save)))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@ versions that decide speed; `commit()` the code measured (with `+dirty` when the
 uncommitted changes); `save(name, report)` writes the report as
 `benchmarks/results/<name>-<UTC time>-<commit>.json` and returns the path. A run's load is
 part of its figures: `load()` is the one-minute load average, taken per measured row.
+Every benchmark script starts its report with `stamp()` and ends with `finish(name, report,
+save)`, which saves it (or, with the script's `--no-save`, only adds the load at the end);
+`atelier results render` lists the saved files in `benchmarks/RESULTS.md`.
 """
 
 from __future__ import annotations
@@ -72,3 +75,18 @@ def save(name: str, report: dict) -> Path:
     path = RESULTS / f"{name}-{when}-{report.get('commit', commit()).replace('+', '-')}.json"
     path.write_text(json.dumps(report, indent=1) + "\n")
     return path
+
+
+def finish(name: str, report: dict, save_it: bool = True) -> dict:
+    """`report` closed: saved (its path under `saved_to`, relative to the repository), or with
+    only `load_at_end` added when `save_it` is false; returned for printing."""
+    if save_it:
+        report["saved_to"] = str(save(name, report).relative_to(RESULTS.parent.parent))
+    else:
+        report["load_at_end"] = load()
+    return report
+
+
+def add_no_save(parser) -> None:
+    parser.add_argument("--no-save", action="store_true", help="print the report without saving it under "
+                        "benchmarks/results/")

@@ -25,6 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+import record  # noqa: E402
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -37,7 +40,9 @@ def main() -> None:
                     help="rollouts at once: enough for (max_staleness + 1) batches, so async can overlap them")
     ap.add_argument("--set", dest="overrides", action="append", default=[],
                     help="extra recipe overrides, e.g. --set rollout.workers=8")
+    record.add_no_save(ap)
     args = ap.parse_args()
+    stamp = record.stamp()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     from atelier.config import load_config
@@ -75,6 +80,7 @@ def main() -> None:
             }
     out = {
         "benchmark": "rl_async",
+        **stamp,
         "recipe": Path(args.recipe).name,
         "steps": args.steps,
         "env_latency_s": args.env_latency,
@@ -90,7 +96,7 @@ def main() -> None:
                                 / max(results["async"]["step_s_after_first"], 1e-9), 2),
         "target_speedup": 1.5,
     }
-    json.dump(out, sys.stdout)
+    json.dump(record.finish("rl_async", out, not args.no_save), sys.stdout)
     sys.stdout.write("\n")
 
 

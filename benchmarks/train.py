@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import record  # noqa: E402
 from pretrain import SMOLLM2_135M, matmul_gflops, sync  # noqa: E402
 
 
@@ -141,6 +142,7 @@ def main() -> None:
     parser.add_argument("--trained", type=int, default=0,
                         help="trained tokens at the end of each sample (an RL rollout's sampled turns); 0: all")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    record.add_no_save(parser)
     args = parser.parse_args()
     if args.worker:
         from atelier.train.ranks import exit_rank
@@ -151,13 +153,15 @@ def main() -> None:
     checkpointing = {"off": (False,), "on": (True,), "both": (False, True)}[args.activation_checkpointing]
     if args.shared_prefix + args.group_shared >= args.seq_len:
         parser.error("--shared-prefix plus --group-shared must leave each sample a token of its own")
+    stamp = record.stamp()
     results = run_configurations(args, threads, checkpointing)
-    print(json.dumps({"benchmark": "train", "model": args.model or "SmolLM2-135M shapes, random weights",
+    print(json.dumps(record.finish("train", {
+                      "benchmark": "train", **stamp, "model": args.model or "SmolLM2-135M shapes, random weights",
                       "seq_len": args.seq_len, "batch": args.batch, "micro_batch": args.micro_batch,
                       "shared_prefix": args.shared_prefix, "group_size": args.group_size,
                       "group_shared": args.group_shared, "trained": args.trained,
                       "total_threads": threads, "results": results,
-                      "ratios": ratios(results, args, checkpointing)}))
+                      "ratios": ratios(results, args, checkpointing)}, not args.no_save)))
 
 
 def run_configurations(args, threads: int, checkpointing: tuple[bool, ...]) -> list[dict]:

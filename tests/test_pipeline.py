@@ -17,8 +17,9 @@ import pytest
 from atelier.cli import main as cli
 from atelier.config import load_config
 from atelier.pipeline.config import RunConfig
+from atelier.pipeline.record import RECORD_FILE, SCHEMA
 from atelier.pipeline.runner import StageLedger, last_activity, run_pipeline
-from atelier.pipeline.stages import BY_NAME, STAGE_NAMES, STAGES, StageContext, rl_tasks_off
+from atelier.pipeline.stages import BY_NAME, STAGE_NAMES, STAGES, Stage, StageContext, rl_tasks_off
 from atelier.rundir import RunDirError, freeze_config
 
 REPO = {
@@ -191,8 +192,13 @@ def test_atelier_run_end_to_end_then_resume(bwrap_ready, recipe: Path, tmp_path:
     assert summary["rl"]["zero_variance_fraction_all"] in (0.0, 1.0)
     assert set(summary["wall_s"]) == set(STAGE_NAMES) and summary["peak_pss_mb_run"] >= max(
         stages[s]["peak_pss_mb"] for s in STAGE_NAMES if s != "report")
+    record = json.loads((out / RECORD_FILE).read_text())
+    assert record["evaluations"]["after_rl"]["edit"] == summary["evaluations"]["after_rl"]["edit"]
+    assert record["headline"] == head and record["recipe"] == str(recipe)
+    assert set(record["stages"]) == set(STAGE_NAMES) and record["stages"]["rl"]["load_start"] is not None
     html = (out / "report.html").read_text()
-    assert "eval-before" in html and "eval-sft" in html and "eval-after" in html
+    # the models named by what they are, not by their directories (final, model)
+    assert "a tiny random model after SFT" in html and "a tiny random model after RL" in html
     assert 'id="headline"' in html and "after SFT" in html
     # Held-out means held out: no test task was replayed for SFT or trained by RL.
     index = (out / "tasks" / "index.toml").read_text()
@@ -324,3 +330,37 @@ def test_every_sft_option_reaches_the_sft_phase(tmp_path: Path) -> None:
         (5, 3e-5, 2, 2, 512, 0)
     # enabled, replay and tasks belong to the sft-data stage (which gold replays, how), not to the phase.
     assert set(SftStage.model_fields) - {"enabled", "replay", "tasks"} <= set(type(phase).model_fields) | {"precision"}
+
+
+def test_a_finished_run_writes_its_record_and_a_rerun_leaves_it(recipe: Path, tmp_path: Path) -> None:
+    """run.json: the stages' cost and load, the summary's figures, the code and the machine."""
+    import hashlib
+
+    summary = {"evaluations": {"after_sft": {"attempts": 4, "valid_attempts": 4, "tasks": 2, "mean_reward": 0.5,
+                                             "pass": {"successes": 1, "rate": 0.25}, "edit": {"successes": 2},
+                                             "pass_rate": 0.25}},
+               "headline": {"measure": "edit", "improved": 2, "worsened": 0, "p_value": 0.25},
+               "peak_pss_mb_run": 700, "peak_rss_mb_run": 900, "rl": {"groups": 3}}
+
+    def report(ctx: StageContext) -> dict:
+        (ctx.run_dir / "summary.json").write_text(json.dumps(summary))
+        return {"path": "report.html"}
+
+    stages = [Stage("work", lambda ctx: {"made": 1}, in_process=True), Stage("report", report, in_process=True)]
+    config = load_config(RunConfig, recipe, ["seed=3"])
+    out = tmp_path / "run"
+    run_pipeline(config, out, recipe_dir=recipe.parent, say=lambda line: None, stages=stages, recipe="x.toml")
+    record = json.loads((out / RECORD_FILE).read_text())
+    assert record["schema"] == SCHEMA and record["seed"] == 3 and record["recipe"] == "x.toml"
+    assert record["config_sha256"] == hashlib.sha256((out / "config.toml").read_bytes()).hexdigest()
+    assert set(record["stages"]) == {"work", "report"}
+    assert set(record["stages"]["work"]) >= {"wall_s", "starts", "load_start", "load_end"}
+    assert "made" not in record["stages"]["work"]          # a stage's own outputs stay in stages.json
+    assert record["evaluations"]["after_sft"]["edit"] == {"successes": 2}
+    assert "pass_rate" not in record["evaluations"]["after_sft"]   # the per-measure figures only
+    assert record["headline"] == summary["headline"] and record["peak_pss_mb"] == 700
+    assert record["rl"]["groups"] == 3 and record["host"]["cores"] == os.cpu_count()
+    assert record["commit"] is None or len(record["commit"].split("+")[0]) == 40
+    (out / RECORD_FILE).write_text('{"kept": true}')
+    run_pipeline(config, out, recipe_dir=recipe.parent, say=lambda line: None, stages=stages)
+    assert json.loads((out / RECORD_FILE).read_text()) == {"kept": True}   # nothing ran: not rewritten

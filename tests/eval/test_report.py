@@ -108,6 +108,20 @@ def test_report_escapes_everything(runs: list[Path], tmp_path: Path) -> None:
     assert not re.search(r'(src|href)="(https?:)?//', page)  # nothing fetched from elsewhere
 
 
+def test_names_say_what_each_model_is(tmp_path: Path) -> None:
+    """A run's label and model column come from `names` when given (atelier run names the base
+    model, after SFT, after RL), not from the directory the model was saved in."""
+    before = write_run(tmp_path / "run" / "eval-before", "smollm2-135m", {"t1": [0.0]}, 0.0)
+    after = write_run(tmp_path / "run" / "eval-after", "model", {"t1": [1.0]}, 0.0)
+    plain = build_report([before, after], tmp_path / "plain.html").read_text()
+    assert "<td>model</td>" in plain
+    page = build_report([before, after], tmp_path / "named.html",
+                        names={str(before): "SmolLM2-135M-Instruct", str(after): "SmolLM2-135M-Instruct after RL"})
+    summary = page.read_text().split('<table id="summary">')[1].split("</table>")[0]
+    assert summary.count("<td>SmolLM2-135M-Instruct after RL</td>") == 2     # the run and its model
+    assert "<td>model</td>" not in summary and "eval-after" not in summary
+
+
 def test_bad_run_dirs_are_typed_errors(tmp_path: Path) -> None:
     with pytest.raises(EvalError, match="not found"):
         build_report([tmp_path / "nope"], tmp_path / "r.html")

@@ -7,6 +7,13 @@ after the arguments are parsed. The commands are listed here, in the order
 `--help` shows them; `rank` (what `atelier train` and `atelier pretrain`
 start once per trainer rank) is internal and hidden from it.
 
+Help text is written as docstrings, wrapped for the source; `plain_help`
+(applied to every command by `unbreak_help`) joins each paragraph's lines,
+because typer's rich output keeps a docstring's line breaks and rewraps
+around them, which broke sentences mid-line. Every command's help ends with
+one real `Example:` line (tests/test_cli_help.py runs each through the
+command's own parser).
+
 `main` turns every `AtelierError` (a user error: bad config, missing tool)
 into `error: ...` / `hint: ...` on stderr and exit status 2, never a
 traceback. A `BugError` (a bug caught at a batch edge, which already wrote
@@ -16,9 +23,27 @@ with status 1. Any other exception is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import inspect
+import re
+
 import typer
 
-from atelier.cli import agent, base_eval, eval, models, mtp, pretrain, rank, report, run, sandbox, serve, tasks, train
+from atelier.cli import (
+    agent,
+    base_eval,
+    eval,
+    models,
+    mtp,
+    pretrain,
+    rank,
+    report,
+    results,
+    run,
+    sandbox,
+    serve,
+    tasks,
+    train,
+)
 
 app = typer.Typer(
     name="atelier",
@@ -39,7 +64,36 @@ app.add_typer(models.models_app, name="models")
 app.add_typer(mtp.mtp_app, name="mtp")
 app.add_typer(tasks.tasks_app, name="tasks")
 app.add_typer(sandbox.sandbox_app, name="sandbox")
+app.add_typer(results.results_app, name="results")
 app.command("rank", hidden=True)(rank.rank_cmd)
+
+
+def plain_help(text: str | None) -> str | None:
+    """`text` (a docstring) as help should show it: each paragraph on one line, for the terminal
+    to wrap, and an `Example:` always a paragraph of its own (pure)."""
+    if not text:
+        return text
+    paragraphs: list[str] = []
+    for block in re.split(r"\n\s*\n", inspect.cleandoc(text)):
+        joined = " ".join(line.strip() for line in block.splitlines())
+        before, mark, example = joined.partition("Example: ")
+        paragraphs += [part for part in (before.strip(), (mark + example).strip()) if part]
+    return "\n\n".join(paragraphs)
+
+
+def unbreak_help(typer_app: typer.Typer) -> None:
+    """Give every command and group of `typer_app` its `plain_help`, before typer reads them."""
+    for info in typer_app.registered_commands:
+        info.help = plain_help(info.help if isinstance(info.help, str) else inspect.getdoc(info.callback))
+    callback = typer_app.registered_callback
+    if isinstance(typer_app.info.help, str):   # typer's help= wins over a callback's docstring
+        typer_app.info.help = plain_help(typer_app.info.help)
+    elif callback is not None and callback.callback is not None:
+        callback.help = plain_help(callback.help if isinstance(callback.help, str)
+                                   else inspect.getdoc(callback.callback))
+    for group in typer_app.registered_groups:
+        if group.typer_instance is not None:
+            unbreak_help(group.typer_instance)
 
 
 def _show_version(value: bool) -> None:
@@ -58,6 +112,9 @@ def _root(
     ),
 ) -> None:
     """Options that come before any subcommand; `app`'s help is the user text."""
+
+
+unbreak_help(app)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -28,7 +28,9 @@ def pull(
 
 @models_app.command("list")
 def list_(as_json: bool = typer.Option(False, "--json", help="Print JSON lines.")) -> None:
-    """Known models and the models in the cache."""
+    """Known models and the models in the cache.
+
+    Example: atelier models list --json"""
     from atelier.inference.pull import list_models
 
     for row in list_models():

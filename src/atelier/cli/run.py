@@ -68,7 +68,8 @@ def run(
 
     console.print(f"atelier run {recipe} → {run_dir}")
     with view:
-        done = run_pipeline(config, run_dir, recipe_dir=recipe.resolve().parent, say=say, progress=progress)
+        done = run_pipeline(config, run_dir, recipe_dir=recipe.resolve().parent, say=say, progress=progress,
+                            recipe=str(recipe))
     summary = json.loads(Path(done["report"]["summary"]).read_text())
     console.print(final_table(summary))
     if as_json:

@@ -48,9 +48,12 @@ def run(
     show_diff: bool = typer.Option(False, "--diff", help="Print the workspace diff afterwards."),
 ) -> None:
     """Run one command in a fresh sandbox over DIR, streaming its output, and
-    exit with its exit code. Example: atelier sandbox run -w . -- pytest -q;
-    with egress: atelier sandbox run -w . --network proxy --allow pypi.org:443
-    --allow files.pythonhosted.org:443 -- pip download requests"""
+    exit with its exit code. The directory itself is never modified.
+
+    With --network proxy the sandbox reaches only the --allow pairs, through a
+    logging HTTP(S) proxy.
+
+    Example: atelier sandbox run -w . --diff -- python -m pytest -q"""
     from atelier.config import load_config
     from atelier.sandbox import SandboxConfig, create_sandbox
 
@@ -91,7 +94,9 @@ def bench(
     quick: bool = typer.Option(False, "--quick", help="Fewer repetitions (a smoke run)."),
 ) -> None:
     """Measure sandbox create, exec, fork, rate and density against a plain
-    copy (and Docker where a daemon answers)."""
+    copy (and Docker where a daemon answers).
+
+    Example: atelier sandbox bench --quick --json"""
     from atelier.sandbox import bench as sandbox_bench
 
     if as_json:

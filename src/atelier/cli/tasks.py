@@ -63,7 +63,9 @@ def grade_cmd(
 
 @tasks_app.command("show")
 def show_cmd(task_dir: Path = typer.Argument(..., help="The task directory.")) -> None:
-    """Load and check a task, then print a summary (the gold patch is not shown)."""
+    """Load and check a task, then print a summary (the gold patch is not shown).
+
+    Example: atelier tasks show tasks/calc-add"""
     from atelier.tasks.loader import load_task
 
     task = load_task(task_dir)

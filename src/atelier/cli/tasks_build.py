@@ -11,8 +11,7 @@ import typer
 
 from atelier.cli.options import Backend
 
-build_app = typer.Typer(help="Build tasks from real code: a whole suite (--suite), or one "
-                             "builder (release-diff, mutate).", invoke_without_command=True)
+build_app = typer.Typer(invoke_without_command=True)   # its help: the callback's docstring
 
 
 class Only(str, enum.Enum):
@@ -32,9 +31,12 @@ def build_suite_cmd(
     retry_dropped: bool = typer.Option(False, "--retry-dropped", help="Try again entries an earlier run dropped."),
     as_json: bool = typer.Option(False, "--json", help="Print the build report as JSON (no progress bar)."),
 ) -> None:
-    """Build a whole suite from its spec: sdists from PyPI (cached), every task
+    """Build tasks from real code: a whole suite (--suite), or one builder (release-diff, mutate).
+
+    A suite is built from its spec: sdists from PyPI (cached), every task
     validated (gold passes each run, empty patch fails) before it lands in OUT.
     Run it again to resume; OUT/build-report.json says what was dropped and why.
+
     Example: atelier tasks build --suite atelier-bench --out suites/bench --jobs 2"""
     # Long on purpose: one typer option per line is the command's interface; the body is short.
     if ctx.invoked_subcommand is not None:

@@ -28,6 +28,8 @@ def train(
     twice and none is lost (rollouts in flight at a crash are re-run). The
     run directory holds the resolved config, ledger.jsonl, metrics.jsonl,
     rollouts/ and checkpoints/.
+
+    Example: atelier train recipes/rl-tiny.toml --run-dir runs/rl-tiny
     """
     from rich.console import Console
 

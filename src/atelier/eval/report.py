@@ -15,6 +15,11 @@ What a RUN_DIR may be:
 - a directory whose subdirectories are evaluation runs (e.g. a training run
   with `eval-before/` and `eval-after/`): each becomes its own run.
 
+A run is shown under its directory's name and its model under the name its
+evaluation recorded (the model directory's last part), unless `names` says
+what each run is: `atelier run` passes "SmolLM2-135M-Instruct", "... after
+SFT", "... after RL", so the page names models by what they are.
+
 Every string from a run (task ids, model names, trajectories) is escaped.
 """
 
@@ -46,6 +51,8 @@ class RunData:
     metrics: EvalMetrics | None = None
     training: list[dict[str, Any]] = field(default_factory=list)
     training_file: str | None = None
+    model: str | None = None
+    """What the model is, for people (`build_report`'s `names`); None: the evaluation's own name."""
 
 
 def read_training_log(path: Path) -> list[dict[str, Any]]:
@@ -116,7 +123,7 @@ def summary_table(runs: Sequence[RunData]) -> str:
         tin = sum(r.tokens_in for r in run.records if not r.infra_error)
         tout = sum(r.tokens_out for r in run.records if not r.infra_error)
         n = max(m.valid_attempts, 1)
-        cells = [run.label, m.model, m.tasks, m.passes, _fmt(m.accuracy) + ci,
+        cells = [run.label, run.model or m.model, m.tasks, m.passes, _fmt(m.accuracy) + ci,
                  _fmt(m.pass_at_k.get(1)),
                  (f"{_fmt(m.pass_at_k[k_max])} (k={k_max})" if k_max else "—"), _fmt(m.best_of_k),
                  _fmt(m.median_cost, ".4f", " $"), _fmt(m.total_cost, ".4f", " $"),
@@ -233,15 +240,21 @@ def _rl_tasks_section(summary: dict[str, Any]) -> str:
 
 def build_report(run_dirs: Sequence[str | Path], out: str | Path, *,
                  max_trajectories: int = MAX_TRAJECTORIES, title: str = "atelier report",
-                 headline: dict[str, Any] | None = None) -> Path:
+                 headline: dict[str, Any] | None = None, names: dict[str, str] | None = None) -> Path:
     """Write the page for `run_dirs` to `out` and return its path; `headline`
-    (an `atelier run` summary) adds its comparison section on top."""
+    (an `atelier run` summary) adds its comparison section on top; `names` maps a run
+    directory (as given) to what its model is, which labels the run and names its model."""
     # The page's sections in page order, each made by its own function; the plots (matplotlib) load here.
     from atelier.eval import plots
 
     if not run_dirs:
         raise EvalError("no run directories given", hint="atelier report RUN_DIR [RUN_DIR ...] --out report.html")
     runs = [run for d in run_dirs for run in discover_runs(d)]
+    by_path = {Path(d).resolve(): name for d, name in (names or {}).items()}
+    for run in runs:
+        if run.path.resolve() in by_path:
+            run.model = by_path[run.path.resolve()]
+            run.label = run.model
     evals = [r for r in runs if r.metrics is not None]
 
     sections = [f"<h1>{escape(title)}</h1>"] + ([headline_section(headline)] if headline else [])

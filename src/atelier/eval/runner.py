@@ -88,6 +88,7 @@ class EvalRecipe(EvalConfig):
     options and, under `agent`, the agent's."""
 
     agent: AgentConfig = Field(default_factory=AgentConfig)
+    """The agent of every attempt."""
 
 
 @dataclass

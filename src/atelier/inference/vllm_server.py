@@ -15,7 +15,7 @@ and atelier's source directory on `PYTHONPATH` (for the worker extension,
 which imports nothing else of ours). Why each flag:
 
 - `--logprobs-mode processed_logprobs`: logprobs at the sampling temperature,
-  the trainer's quantity; vLLM's default is before temperature (PITFALLS).
+  the trainer's quantity; vLLM's default is before temperature (docs/pitfalls.md).
 - `--generation-config vllm`: sampling defaults from the request alone, not
   from the model's `generation_config.json` (a default top_k there would
   change the distribution the trainer recomputes).
@@ -29,7 +29,8 @@ the server's group (a few lines of Python polling whether atelier's process
 still lives) kills the group: vLLM's engine core and workers do not watch
 their parent. The watchdog is a grandchild of atelier, because Ray kills a
 dead actor's direct children (the server's leader and a direct-child
-watchdog) and left the engine core and a worker running, 2.3 GB resident. PR_SET_PDEATHSIG would not do:
+watchdog) and left the engine core and a worker running (docs/log/2026-12-03-figures-from-the-code.md).
+PR_SET_PDEATHSIG would not do:
 it fires when the *thread* that started the child exits, and a server may be
 restarted from a rollout thread. As a second line, the next server started
 with the same log path (what continuing a run does) kills whatever is left of a
@@ -118,6 +119,7 @@ class VLLMConfig(AtelierConfig):
     kv_cache_gb: float = Field(1.0, gt=0)
     """CPU build: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE). GPUs use gpu_memory_utilization."""
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    """GPUs: the share of each GPU's memory the server may take."""
     enforce_eager: bool = False
     """Skip torch.compile and CUDA graphs: starts much sooner (restarts too), runs slower."""
     port: int = Field(0, ge=0, le=65535)
@@ -125,6 +127,7 @@ class VLLMConfig(AtelierConfig):
     startup_timeout_s: float = Field(1800.0, gt=0)
     """A first start compiles the model (minutes; cached for later starts); a loaded CPU takes longer."""
     request_timeout_s: float = Field(600.0, gt=0)
+    """Longest wait for one request to the server before it counts as dead."""
     max_restarts: int = Field(20, ge=0)
     """Restarts of a server that died before the engine gives up (each outage retries its rollouts)."""
     extra_args: list[str] = Field(default_factory=list)

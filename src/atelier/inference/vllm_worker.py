@@ -8,10 +8,11 @@ vLLM environment, not ours: it imports only the standard library at the top
 and torch/vLLM inside the methods, and nothing else from atelier.
 
 Why a method of our own rather than vLLM's `reload_weights` alone
-(PITFALLS, "Driving vLLM"): a tied `lm_head` shares its weight with
+(docs/pitfalls.md, "Driving vLLM"): a tied `lm_head` shares its weight with
 `embed_tokens`, so a reload never loads it, and on CPU its matmul uses a
 copy packed at load time. After a reload the embedding is new and the packed
-head is old: logprobs off by up to 1.7 nats with no error. So after every
+head is old: logprobs are wrong with no error
+(docs/log/2026-12-03-figures-from-the-code.md). So after every
 reload the head is re-tied to the embedding and re-packed. The CPU build's
 mixture-of-experts layers have the same trap (`atelier_repack_moe`).
 """

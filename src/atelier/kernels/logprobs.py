@@ -9,11 +9,11 @@ returns log_softmax(h @ W.T + b)[n, targets[n]] / temperature for every n
 holding more than one [C, V] block of logits, in the forward or the backward.
 
 Why a hand-written backward rather than autograd over `log_softmax` under
-activation checkpointing (what the trainer did before): that path measured,
-at 2,048 tokens of SmolLM2-135M (V = 49,152) on a CPU, about three times the
-time of its own matrix multiplies in ~25 passes over fp32 [C, V] blocks
-(cast, divide, logsumexp's max/subtract/exp/sum, the gather's scatter into a
-zero block, logsumexp's backward, the cast back), each a fresh allocation.
+activation checkpointing (what the trainer did before): that path spent
+most of its time outside its matrix multiplies, in many passes over fp32
+[C, V] blocks (cast, divide, logsumexp's max/subtract/exp/sum, the gather's
+scatter into a zero block, logsumexp's backward, the cast back), each a fresh
+allocation (docs/log/2026-12-03-figures-from-the-code.md).
 Here the vocabulary-wide work is done by row-wise fused kernels: forward,
 one matmul, one cast, one `log_softmax` (plus an `exp` and a dot for the
 entropy); backward, the same matmul again, one `softmax`, one scale, one

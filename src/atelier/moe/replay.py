@@ -3,7 +3,7 @@
 Why: routing recomputed in the trainer differs from the sampler's on many
 tokens (numerics, bf16 against fp32, weights a step apart), and a token sent
 to other experts has another probability, so importance ratios explode
-(PITFALLS). With replay the trainer takes the sampler's top-k expert ids and
+(docs/pitfalls.md). With replay the trainer takes the sampler's top-k expert ids and
 recomputes only the gate values, softmax(router logits) at those ids (then
 renormalised, as the router does), under the current weights: the router
 still gets gradients through the gates it would have produced for the

@@ -28,11 +28,13 @@ class TasksStage(AtelierConfig):
     """Mutation tasks from one real repository, split into train and a held-out test set."""
 
     package: str
+    """The package's name (its PyPI name with `version`; a label with `path`)."""
     version: Optional[str] = None
     """A PyPI release whose source distribution is mutated."""
     path: Optional[str] = None
     """A local repository instead of PyPI (relative paths: from the recipe file)."""
     seed: int = 0
+    """Seeds the mutation search and the split."""
     count: int = Field(16, ge=2)
     """Tasks built and split between train and held-out test."""
     rl_extra: int = Field(0, ge=0)
@@ -45,9 +47,11 @@ class TasksStage(AtelierConfig):
     test_count: int = Field(6, ge=1)
     """Tasks held out for evaluation; the rest train."""
     timeout_s: float = Field(120.0, gt=0)
+    """Wall-clock limit of one graded test run of a task."""
     validate_runs: int = Field(3, ge=1)
     """Each built task's gold patch must pass this many gradings in a row (flaky ones are dropped)."""
     backend: Literal["bwrap", "local"] = "bwrap"
+    """Sandbox backend of validation; `local` isolates nothing."""
     max_mutations: int = Field(1, ge=1)
     """Mutations per task at most; with more than 1 a task may span files,
     which links tasks together for the file split."""
@@ -67,13 +71,17 @@ class TasksStage(AtelierConfig):
 
 class EvalStage(AtelierConfig):
     passes: int = Field(2, ge=1)
+    """Attempts per held-out task, each with its own sampling seed (the same seeds in all three evaluations,
+    so attempts pair by task and pass)."""
     concurrency: int = Field(4, ge=1)
+    """Attempts running at once."""
     batch_invariant: bool = False
     """The built-in engine runs each attempt's forwards alone (a batch of one, no prefix cache),
     so an attempt's tokens depend only on its task, pass seed and weights. Batched, an attempt's
     bf16 rounding depends on which others share its batch, which depends on timing: two
-    evaluations of the same weights differed in 8 of 32 attempts (recipes/demo.md), noise that
-    the paired test between evaluations then counts. Costs the throughput of batching."""
+    evaluations of the same weights differ in some attempts
+    (docs/log/2026-12-04-same-seed-batches.md), noise that the paired test between evaluations
+    then counts. Costs the throughput of batching."""
     rl_tasks: bool = False
     """Also evaluate the after-SFT and after-RL models on RL's own training tasks, with the same
     passes and agent (stage `eval-rl-tasks`): whether RL learned the tasks it trained on, beside
@@ -93,6 +101,7 @@ class SftStage(AtelierConfig):
     """A warm start on gold patches replayed through the harness's tools."""
 
     enabled: bool = True
+    """false: no warm start; RL starts from the base model."""
     replay: Literal["located", "gold"] = "located"
     """How a gold patch is replayed: "located" finds the function the prompt names with grep and
     reads from its definition (what a policy can do on a task it never saw); "gold" reads at the
@@ -106,11 +115,17 @@ class SftStage(AtelierConfig):
     its group, so such groups have zero advantage; on tasks SFT never saw it is in the regime of
     held-out tasks."""
     steps: int = Field(8, ge=1)
+    """Optimizer steps of the SFT phase."""
     seq_len: int = Field(2048, gt=1)
+    """Tokens per training row; a replay longer than this is cut."""
     micro_batch: int = Field(1, ge=1)
+    """Rows per forward and backward."""
     grad_accum: int = Field(1, ge=1)
+    """Micro-batches per optimizer step."""
     lr: float = Field(5e-5, gt=0)
+    """Peak learning rate of the warm-up and cosine schedule."""
     warmup_steps: int = Field(1, ge=0)
+    """Steps of linear warm-up before the cosine decay."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """bf16: bf16 compute with fp32 master weights (as `rl.trainer.precision`); auto: bf16 on a
     GPU that has it, fp32 on the CPU."""
@@ -132,22 +147,31 @@ class HeadlineStage(AtelierConfig):
     measure: Literal["pass", "edit"] = "pass"
     """"pass": every target test passes; "edit": the final diff applies and changes something."""
     alpha: float = Field(0.05, gt=0, lt=1)
+    """The test is significant when its p-value is below this."""
     min_attempts: int = Field(32, ge=1)
     """Held-out attempts (test tasks x passes) the recipe must provide for the test to be worth running."""
 
 
 class RunConfig(AtelierConfig):
     seed: int = 0
+    """Seeds the run's training: the tiny model's init, SFT's data order, RL's rollouts and the trainer ranks'
+    RNGs. The evaluations' passes sample with `eval.agent.sampling.seed`, the task split with `tasks.seed`."""
     threads: Optional[int] = Field(None, ge=1)
     """torch CPU threads (default: torch's choice)."""
     model: ModelStage = Field(default_factory=ModelStage)
+    """The base model (the `model` stage)."""
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
     """The engine of the stages that sample: evaluation before and after, and RL rollouts."""
     tasks: TasksStage
+    """The repository the tasks are built from, and how they are split (the `tasks` stage)."""
     eval: EvalStage = Field(default_factory=EvalStage)
+    """The three evaluations and the agent every stage runs (evaluation, gold replays, RL)."""
     sft: SftStage = Field(default_factory=SftStage)
+    """The SFT warm start on gold replays (the `sft-data` and `sft` stages)."""
     rl: RlStage = Field(default_factory=RlStage)
+    """The RL stage: every option of `atelier train` but the model, the seed and the environment."""
     headline: HeadlineStage = Field(default_factory=HeadlineStage)
+    """The claim of the run, fixed before it starts."""
     isolate_stages: bool = True
     """Run each heavy stage in its own process, so its memory goes back to the
     system when it ends (the run's peak is the largest stage's, not their sum)."""

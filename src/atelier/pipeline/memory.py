@@ -25,7 +25,7 @@ parent's (`kcmp(KCMP_VM)`) is skipped, and each process's two figures come
 from one read of its smaps_rollup, never from page counts read earlier: a
 child that read as its parent's memory and then exec'd or exited in between
 was counted as a second copy of it (a training stage starting sandboxes
-recorded an 11.65 GB peak while it held about 6). A process that has ended
+recorded about twice what it held: docs/log/2026-12-04-rl-epoch.md). A process that has ended
 counts nothing.
 
 A spike shorter than the interval can be missed. Off Linux (no /proc) both

@@ -17,7 +17,10 @@ its starts (`starts`; the last one's time is `wall_s_last_start`), so
 the summary's time is what the stage cost, not what its last start did.
 The run's configuration is frozen in `config.toml` at the first start
 (`atelier.rundir`): a rerun with a different one is refused rather than
-mixing two recipes in one directory.
+mixing two recipes in one directory. Each stage's outputs also hold the load
+average at its start and end; once the report stage is done, the run's
+record, `run.json` (`atelier.pipeline.record`), is written from them and the
+summary.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from atelier.errors import BugError
 from atelier.fsio import atomic_write
 from atelier.pipeline.config import RunConfig
 from atelier.pipeline.memory import TreeMemory
+from atelier.pipeline.record import RECORD_FILE, load_average, write_record
 from atelier.pipeline.stages import STAGES, PipelineError, Progress, Say, Stage, StageContext
 from atelier.rundir import freeze_config
 
@@ -107,14 +111,16 @@ def last_activity(run_dir: Path, stage: str) -> float | None:
 
 
 def run_pipeline(config: RunConfig, run_dir: str | Path, *, recipe_dir: str | Path = ".", say: Say = print,
-                 progress: Progress | None = None, stages: Sequence[Stage] = STAGES) -> dict[str, dict[str, Any]]:
+                 progress: Progress | None = None, stages: Sequence[Stage] = STAGES,
+                 recipe: str | None = None) -> dict[str, dict[str, Any]]:
     """Run every stage of `config` in `run_dir` in order, or continue the run there; return each
-    stage's outputs."""
+    stage's outputs. `recipe` (the path the user gave) goes into the run's record."""
     run_dir = Path(run_dir).resolve()
     recipe_dir = Path(recipe_dir).resolve()
     freeze_config(config, run_dir, command="atelier run")
     ledger = StageLedger(run_dir)
     context = StageContext(config, run_dir, recipe_dir, say, ledger, progress)
+    ran = False   # whether this invocation ran a stage (else the record, if any, stays whose it is)
     with TreeMemory() as memory:
         context.memory = memory
         for stage in stages:
@@ -122,7 +128,9 @@ def run_pipeline(config: RunConfig, run_dir: str | Path, *, recipe_dir: str | Pa
                 say(f"[{stage.name}] done earlier: {_brief(ledger.done[stage.name])}")
                 continue
             say(f"[{stage.name}] ...")
+            ran = True
             memory.reset()
+            load_start = load_average()
             ledger.begin(stage.name, time.time(), last_activity(run_dir, stage.name))
             try:
                 if config.isolate_stages and not stage.in_process and stage.off(config) is None:
@@ -133,11 +141,15 @@ def run_pipeline(config: RunConfig, run_dir: str | Path, *, recipe_dir: str | Pa
                 memory.sample()
                 wall, this, peaks = ledger.end(stage.name, time.time(), memory.peaks_mb())
             starts = ledger.time[stage.name]["starts"]
-            outputs.update(wall_s=round(wall, 1), **peaks, starts=starts)
+            outputs.update(wall_s=round(wall, 1), **peaks, starts=starts, load_start=load_start,
+                           load_end=load_average())
             if starts > 1:
                 outputs["wall_s_last_start"] = round(this, 1)
             ledger.finish(stage.name, outputs)
             say(f"[{stage.name}] {_brief(outputs)}")
+    summary = run_dir / "summary.json"
+    if "report" in ledger.done and summary.is_file() and (ran or not (run_dir / RECORD_FILE).is_file()):
+        write_record(run_dir, ledger.done, json.loads(summary.read_text()), seed=config.seed, recipe=recipe)
     return ledger.done
 
 

@@ -46,7 +46,7 @@ from atelier.eval.records import read_records, write_json
 from atelier.eval.report import build_report
 from atelier.eval.runner import EvalConfig, run_eval
 from atelier.fsio import atomic_write
-from atelier.inference.models import KNOWN_MODELS, ModelNotFound, open_model, resolve_or_build_tiny
+from atelier.inference.models import KNOWN_MODELS, ModelNotFound, model_title, open_model, resolve_or_build_tiny
 from atelier.inference.pull import pull_model
 from atelier.inference.types import owning
 from atelier.pipeline.config import RunConfig
@@ -303,9 +303,11 @@ def report(ctx: StageContext) -> dict[str, Any]:
     h = ctx.config.headline
     summary = build_summary(ctx.run_dir, stages, measure=h.measure, alpha=h.alpha)
     write_json(ctx.run_dir / "summary.json", summary)
-    runs = [ctx.run_dir / d for d in ("eval-before", "eval-sft", "eval-after", "rl")]
-    path = build_report(runs, ctx.run_dir / "report.html", title="atelier run: before training, after SFT, "
-                        "after RL", headline=summary)
+    base = model_title(ctx.config.model.name)
+    names = {ctx.run_dir / "eval-before": base, ctx.run_dir / "eval-sft": f"{base} after SFT",
+             ctx.run_dir / "eval-after": f"{base} after RL", ctx.run_dir / "rl": f"RL from {base} after SFT"}
+    path = build_report(list(names), ctx.run_dir / "report.html", title="atelier run: before training, after SFT, "
+                        "after RL", headline=summary, names={str(k): v for k, v in names.items()})
     ev = summary["evaluations"]
     return {"path": str(path), "summary": str(ctx.run_dir / "summary.json"),
             "pass_rate_before": ev["before"]["pass_rate"], "pass_rate_after_sft": ev["after_sft"]["pass_rate"],

@@ -19,28 +19,35 @@ class SourceConfig(AtelierConfig):
     """One weighted source of the pretraining mixture."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
-    # code: files under `root` matching `include`; jsonl: one document per line;
-    # hf: a Hugging Face dataset (needs the optional `datasets` package).
+    """The source's name (metrics and the data cache key)."""
     kind: Literal["code", "jsonl", "hf"] = "code"
-    # Relative share of training sequences drawn from this source.
+    """code: files under `root` matching `include`; jsonl: one document per line; hf: a Hugging Face
+    dataset (needs the optional `datasets` package)."""
     weight: float = Field(1.0, gt=0)
-    # code: a directory, or "stdlib" / "site-packages" for this interpreter's sources.
-    # Each first-level entry under it is one repository (the unit of the held-out split).
+    """Relative share of training sequences drawn from this source."""
     root: Optional[str] = None
+    """code: a directory, or "stdlib" / "site-packages" for this interpreter's sources. Each
+    first-level entry under it is one repository (the unit of the held-out split)."""
     include: list[str] = ["**/*.py"]
+    """code: files under `root` that are read (globs)."""
     exclude: list[str] = []
+    """code: files left out (globs)."""
     max_file_bytes: int = Field(200_000, gt=0)
-    # jsonl: a file or a glob of files; each line a JSON object holding `text_field`.
+    """code: larger files are skipped."""
     path: Optional[str] = None
+    """jsonl: a file or a glob of files; each line a JSON object holding `text_field`."""
     text_field: str = "text"
-    # jsonl/hf: the field naming a document's repository; absent: each document is its own unit.
+    """jsonl/hf: the field holding a document's text."""
     repo_field: Optional[str] = None
-    # hf: dataset name, its config and split.
+    """jsonl/hf: the field naming a document's repository; absent: each document is its own unit."""
     dataset: Optional[str] = None
+    """hf: the dataset's name on the Hugging Face hub."""
     dataset_config: Optional[str] = None
+    """hf: the dataset's config name."""
     split: str = "train"
-    # At most this many documents from the source (after sorting); None: all.
+    """hf: the dataset's split."""
     max_docs: Optional[int] = Field(None, gt=0)
+    """At most this many documents from the source (after sorting); None: all."""
 
     @model_validator(mode="after")
     def _where(self) -> "SourceConfig":
@@ -52,38 +59,53 @@ class SourceConfig(AtelierConfig):
 
 class DataConfig(AtelierConfig):
     sources: list[SourceConfig] = []
-    # Share of repositories (never of lines or files) held out for validation and evals.
+    """The sources of the mixture, each a `[[data.sources]]` table."""
     heldout_fraction: float = Field(0.05, ge=0, lt=1)
+    """Share of repositories (never of lines or files) held out for validation and evals."""
     seed: int = 0
-    # Tokens per memory-mapped shard file.
+    """Seeds the held-out split and the order rows are drawn in."""
     shard_tokens: int = Field(1 << 22, gt=0)
-    # Where packed shards live; default: <run dir>/data. Share it between runs to tokenize once.
+    """Tokens per memory-mapped shard file."""
     cache_dir: Optional[str] = None
+    """Where packed shards live; default: <run dir>/data. Share it between runs to tokenize once."""
 
 
 class PhaseConfig(AtelierConfig):
     """One phase: CPT at length L, a long-context extension, or SFT."""
 
     name: str
+    """The phase's name (metrics, checkpoints)."""
     kind: Literal["pretrain", "sft"] = "pretrain"
+    """pretrain: next-token loss on the mixture's packed rows; sft: loss on assistant or sampled tokens of
+    `chat` files or `trajectories`."""
     steps: int = Field(gt=0)
+    """Optimizer steps of the phase."""
     seq_len: int = Field(gt=1)
+    """Tokens per row."""
     micro_batch: int = Field(1, gt=0)
+    """Rows per forward and backward."""
     grad_accum: int = Field(1, gt=0)
+    """Micro-batches per optimizer step."""
     lr: float = Field(3e-4, gt=0)
+    """Peak learning rate."""
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """The cosine ends at lr times this."""
     warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warm-up."""
     weight_decay: float = Field(0.1, ge=0)
+    """AdamW's decoupled weight decay."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's moment coefficients."""
     grad_clip: float = Field(1.0, gt=0)
-    # Long-context extension: multiply the rotary base (rope_theta) by this at the phase start.
+    """Gradients are clipped to this global norm."""
     rope_theta_scale: float = Field(1.0, gt=0)
-    # sft: JSONL files of {"messages": [...]} (loss on assistant tokens only) ...
+    """Long-context extension: multiply the rotary base (rope_theta) by this at the phase start."""
     chat: list[str] = []
-    # ... and directories of harness trajectory JSON files (loss on their sampled tokens).
+    """sft: JSONL files of {"messages": [...]} (loss on assistant tokens only)."""
     trajectories: list[str] = []
-    # Trajectories with a reward below this are not trained on (rejection sampling).
+    """sft: directories of harness trajectory JSON files (loss on their sampled tokens)."""
     min_reward: float = 1.0
+    """Trajectories with a reward below this are not trained on (rejection sampling)."""
 
     @model_validator(mode="after")
     def _data(self) -> "PhaseConfig":
@@ -97,55 +119,75 @@ class PhaseConfig(AtelierConfig):
 class BaseEvalConfig(AtelierConfig):
     """Base-model evals: codebase perplexity and state tracking."""
 
-    # Run them on the held-out repositories at the end of `atelier pretrain`.
     enabled: bool = False
+    """Run them on the held-out repositories at the end of `atelier pretrain`."""
     window: int = Field(512, gt=1)
+    """Perplexity: tokens per window."""
     stride: int = Field(256, gt=0)
+    """Perplexity: tokens between window starts; each window scores only the tokens no earlier one scored."""
     max_repo_tokens: Optional[int] = Field(20_000, gt=0)
+    """Perplexity: at most this many tokens of each repository (None: all)."""
     include: list[str] = ["**/*.py"]
-    # State tracking: file histories generated from real files.
+    """Perplexity: the repository's files that are read (globs)."""
     histories: int = Field(4, ge=0)
+    """State tracking: file histories generated from real files."""
     diffs_per_history: int = Field(3, gt=0)
+    """State tracking: diffs in each history."""
     max_file_chars: int = Field(1200, gt=0)
+    """State tracking: a history starts from a file at most this long."""
     max_new_tokens: int = Field(512, gt=0)
+    """State tracking: tokens the model may write to rebuild a file."""
     seed: int = 0
+    """Seeds which files and edits the histories use."""
 
 
 class PretrainConfig(AtelierConfig):
-    # A Hugging Face model directory, a known model name, or 'tiny' / 'tiny-moe' (a tiny random dense
-    # or mixture-of-experts model built once in the run directory).
     model: str
+    """A Hugging Face model directory, a known model name, or 'tiny' / 'tiny-moe' (a tiny random dense
+    or mixture-of-experts model built once in the run directory)."""
     data: DataConfig = DataConfig()
+    """The pretraining mixture (needed by pretrain phases)."""
     phases: list[PhaseConfig] = Field(min_length=1)
+    """The phases, run in order on one model: each a `[[phases]]` table."""
     seed: int = 0
+    """Seeds the tiny model's init, the data order and the RNGs."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # auto: bf16 compute (fp32 masters) on a GPU that has it, fp32 elsewhere (CPU bf16 is slow on most CPUs).
+    """auto: a GPU per rank when torch sees one, else the CPU."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """auto: bf16 compute (fp32 masters) on a GPU that has it, fp32 elsewhere (set bf16 on a CPU with AMX
+    or AVX512-BF16)."""
     threads: Optional[int] = Field(None, gt=0)
-    # Data-parallel ranks (FSDP2); `atelier pretrain` starts them on this machine. 1: one process.
+    """torch CPU threads per rank (default: torch's choice)."""
     ranks: int = Field(1, ge=1)
-    # Longest wait of any collective between ranks; a dead or hung rank stops the job after it.
+    """Data-parallel ranks (FSDP2); `atelier pretrain` starts them on this machine. 1: one process."""
     timeout_s: float = Field(600.0, gt=0)
-    # Recompute each decoder layer in the backward instead of keeping its activations.
+    """Longest wait of any collective between ranks; a dead or hung rank stops the job after it."""
     activation_checkpointing: bool = False
-    # Tokens per chunk of the token-logprob computation, over the whole micro-batch (memory: a few
-    # fp32 [chunk, vocab] blocks).
+    """Recompute each decoder layer in the backward instead of keeping its activations."""
     logprob_chunk: int = Field(512, gt=0)
-    # Expert matmuls of a mixture-of-experts model, as the RL trainer's `trainer.moe_precision`
-    # (atelier.moe.precision): "bf16" leaves them alone, "mxfp8", "nvfp4_fwd_mxfp8_bwd". On an MoE
-    # model every logged step also carries the router's load balance (tokens_per_expert, expert_imbalance).
+    """Tokens per chunk of the token-logprob computation, over the whole micro-batch (memory: a few
+    fp32 [chunk, vocab] blocks)."""
     moe_precision: Literal["bf16", "mxfp8", "nvfp4_fwd_mxfp8_bwd"] = "bf16"
+    """Expert matmuls of a mixture-of-experts model, as the RL trainer's `trainer.moe_precision`
+    (atelier.moe.precision): "bf16" leaves them alone, "mxfp8", "nvfp4_fwd_mxfp8_bwd". On an MoE
+    model every logged step also carries the router's load balance (tokens_per_expert,
+    expert_imbalance)."""
     log_every: int = Field(1, gt=0)
+    """A metrics line every this many optimizer steps (and at a phase's last)."""
     checkpoint_every: int = Field(100, gt=0)
+    """A checkpoint every this many optimizer steps (and at a phase's last)."""
     keep_checkpoints: int = Field(2, gt=0)
-    # Validation loss on the held-out split every this many steps (0: never).
+    """Checkpoints kept; older ones are deleted."""
     eval_every: int = Field(0, ge=0)
+    """Validation loss on the held-out split every this many steps (0: never)."""
     eval_batches: int = Field(2, gt=0)
-    # Stop (as a kill would) after this many optimizer steps of the whole run: for resume tests.
+    """Held-out batches each validation loss is taken over."""
     stop_after: Optional[int] = Field(None, gt=0)
+    """Stop (as a kill would) after this many optimizer steps of the whole run: for resume tests."""
     evals: BaseEvalConfig = BaseEvalConfig()
-    # Multi-token-prediction heads trained by self-distillation in every phase (atelier.mtp).
+    """The base-model evals at the end of the run."""
     mtp: MTPConfig = MTPConfig()
+    """Multi-token-prediction heads trained by self-distillation in every phase (atelier.mtp)."""
 
     @model_validator(mode="after")
     def _sources(self) -> "PretrainConfig":

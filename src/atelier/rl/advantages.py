@@ -13,7 +13,7 @@ does not run it (`trained_samples`).
 
 Rewards of samples lost to infrastructure failures arrive as `None`: they are
 excluded from the mean and get no advantage (they are retried upstream, never
-scored 0 — PITFALLS: scoring them 0 biased the advantages of their group).
+scored 0 — docs/pitfalls.md: scoring them 0 biased the advantages of their group).
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ def weighted_advantage(advantage: float, negative_scale: float) -> float:
     Why a recipe may turn the negative side down: at a peaked policy a negative advantage lowers
     the sampled tokens of a failed attempt and hands their probability to every other token,
     where a positive one sharpens what worked (in the demo, RL with every advantage moved held-out
-    attempts off the edit tool at their last turn: recipes/demo.md, "Training on the samples that
-    beat their group"). At 0 the step is the policy gradient on the samples above their group's
-    mean alone, the mean still their baseline: rejection-sampling fine-tuning weighted by advantage.
+    attempts off the edit tool at their last turn: docs/log/2026-12-06-positive-advantages.md). At 0
+    the step is the policy gradient on the samples above their group's mean alone, the mean still
+    their baseline: rejection-sampling fine-tuning weighted by advantage.
     """
     if not 0.0 <= negative_scale <= 1.0:
         raise ValueError(f"negative_scale must be in [0, 1], got {negative_scale}")

@@ -46,6 +46,7 @@ class RolloutConfig(AtelierConfig):
     max_tokens: int = Field(64, ge=1)
     """Tokens per model turn."""
     temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of every rollout; the trainer's logprobs are taken at it too."""
     max_retries: int = Field(2, ge=0)
     """Re-runs of a rollout lost to an infrastructure failure before it is left out of its group."""
     retry_backoff_s: float = Field(1.0, ge=0)
@@ -62,14 +63,18 @@ class RolloutConfig(AtelierConfig):
 
 class TrainerConfig(AtelierConfig):
     lr: float = Field(1e-5, gt=0)
+    """AdamW's learning rate."""
     weight_decay: float = 0.0
+    """AdamW's decoupled weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's moment coefficients."""
     eps: float = Field(1e-8, gt=0)
     """AdamW's epsilon. Where a weight's gradient is far above it, an update moves that weight by
     about the learning rate whatever the gradient's size (sign descent: in a short run every
     weight moves alike); where far below, by lr * gradient / eps (plain SGD at lr / eps), so
     weights with small, noisy gradients barely move."""
     max_grad_norm: float = Field(1.0, gt=0)
+    """Gradients are clipped to this global norm."""
     is_cap: float = Field(2.0, gt=0)
     """C in the truncated importance weight min(pi/mu, C)."""
     kl_beta: float = Field(0.0, ge=0)
@@ -87,6 +92,7 @@ class TrainerConfig(AtelierConfig):
     steps: int = Field(0, ge=0)
     """Stop after this many steps (0: when the tasks run out; single epoch either way)."""
     checkpoint_every: int = Field(1, ge=1)
+    """Write a checkpoint every this many steps (and after the last)."""
     threads: int = Field(1, ge=1)
     """torch CPU threads of the run, per rank (process-wide: the engine shares them in the
     one-process launcher); `run_training` sets them at its start and restores them at its end."""
@@ -99,8 +105,9 @@ class TrainerConfig(AtelierConfig):
     """auto: a GPU per rank when torch sees one, else the CPU (gloo)."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """bf16: bf16 compute, fp32 master weights and gradient reduction. auto: bf16 on a GPU that has
-    it, fp32 on the CPU, where the built-in sampler computes in fp32 and bf16 training would add a
-    sampler/trainer mismatch that the importance weights then absorb."""
+    it, fp32 on the CPU. The built-in engine samples in bf16 on a CPU with AMX or AVX512-BF16
+    (`rollout.dtype = "auto"`), so a recipe for such a CPU may set bf16 here to train in the
+    sampler's precision; either way the importance weights absorb the difference."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer in the backward instead of keeping its activations (with
     share_prefix too: the continuations read the prefix's keys and values from a cache that a
@@ -119,8 +126,7 @@ class TrainerConfig(AtelierConfig):
     """Run each run of tokens that several samples of a step share forward and backward once
     (atelier.train.prefix): the system prompt once a step, a group's task and the turns its
     members sampled alike once a group, each member's own tokens after them. The same step up to
-    rounding; on the demo's rollouts a step of 2 groups of 6 fed 5,804 positions instead of
-    25,745 and took 58.2 s instead of 98.6 with only the system prompt shared (benchmarks/RESULTS.md).
+    rounding, on a fraction of the positions (docs/log/2026-12-06-prefix-tree-trainer.md).
     One rank without a MoE router; elsewhere every sample runs whole."""
     recompute_prefix: bool = True
     """With share_prefix: run each shared run forward without keeping its activations, and again
@@ -137,6 +143,8 @@ class TrainerConfig(AtelierConfig):
 
 class SyncConfig(AtelierConfig):
     kind: Literal["inprocess", "delta"] = "inprocess"
+    """inprocess: a detached copy handed to the engine in this process; delta: an XOR delta chain of files on
+    storage every node mounts (`dir`)."""
     full_every: int = Field(10, ge=1)
     """Delta chain: a full snapshot every N publishes."""
     dir: str = ""
@@ -151,6 +159,7 @@ class ToyEnvConfig(AtelierConfig):
     """A single-turn, harness-free task with a dense reward (tests, benchmarks, smoke runs)."""
 
     tasks: int = Field(256, ge=1)
+    """Tasks in the toy epoch."""
     target_fraction: float = Field(0.25, gt=0, le=1)
     """Rewarded tokens: the lowest `target_fraction` of the vocabulary by id."""
     env_latency_s: float = Field(0.0, ge=0)
@@ -159,6 +168,7 @@ class ToyEnvConfig(AtelierConfig):
     """Each rollout's environment time is env_latency_s * (1 + spread * u), u uniform in [-1, 1]
     drawn from the rollout's seed: real rollouts differ in length."""
     prompt_words: int = Field(4, ge=1)
+    """Words in each toy prompt."""
 
 
 def check_rl_sampling(agent: AgentConfig, key: str) -> AgentConfig:
@@ -180,6 +190,7 @@ class TasksEnvConfig(AtelierConfig):
     tasks: Optional[list[str]] = None
     """Only these task ids (of the split, when one is given); an id not in the suite is an error."""
     backend: Literal["bwrap", "local"] = "bwrap"
+    """Sandbox backend; `local` isolates nothing."""
     env_cache: str = ""
     """Where task venvs are built and shared (empty: atelier's cache)."""
     agent: AgentConfig = Field(default_factory=AgentConfig)
@@ -213,9 +224,14 @@ class PythonEnvConfig(AtelierConfig):
 
 class EnvConfig(AtelierConfig):
     kind: Literal["toy", "tasks", "python"] = "toy"
+    """toy: a single-turn task with a dense reward (tests, benchmarks); tasks: real tasks through the harness,
+    sandboxes and grader; python: an environment of your own (`[env.python]`)."""
     toy: ToyEnvConfig = Field(default_factory=ToyEnvConfig)
+    """The toy environment's settings (kind = "toy")."""
     tasks: TasksEnvConfig | None = None
+    """The real tasks (kind = "tasks")."""
     python: PythonEnvConfig | None = None
+    """An environment of your own (kind = "python")."""
 
     @model_validator(mode="after")
     def _kind_needs_its_section(self) -> "EnvConfig":
@@ -229,6 +245,8 @@ class EnvConfig(AtelierConfig):
 
 class CurriculumConfig(AtelierConfig):
     enabled: bool = True
+    """Reorder the epoch's remaining tasks by difficulty once the easy ones saturate (atelier.rl.curriculum);
+    false: the suite's order."""
     saturation: float = Field(0.8, ge=0, le=1)
     """Once the recent pass rate reaches this, harder tasks come first."""
     window: int = Field(8, ge=1)
@@ -241,11 +259,18 @@ class RlOptions(AtelierConfig):
     is this model, so an option means the same in both and exists in both."""
 
     launcher: Literal["local", "ray"] = "local"
+    """local: every service in this process (threads); ray: rollouts and inference as Ray actors (needs the
+    `ray` extra)."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """How rollouts are sampled, grouped and admitted."""
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    """The optimizer, the objective's constants, and how the trainer runs."""
     sync: SyncConfig = Field(default_factory=SyncConfig)
+    """How the trainer's weights reach the engine."""
     shaping: ShapingConfig = Field(default_factory=ShapingConfig)
+    """The reward: correctness plus the shaping terms."""
     curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
+    """The order the epoch's tasks are admitted in."""
     loggers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
     """Extra metric sinks besides RUN_DIR/metrics.jsonl (each needs its package installed)."""
 
@@ -261,6 +286,7 @@ class TrainConfig(RlOptions):
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
     """The rollout engine: built-in, or vLLM servers the trainer pushes weights into."""
     env: EnvConfig = Field(default_factory=EnvConfig)
+    """What rollouts run in: a toy task, real tasks, or an environment of your own."""
 
     @model_validator(mode="after")
     def _replay_needs_routes(self) -> "TrainConfig":

@@ -20,8 +20,8 @@ Threads and ordering (the concurrency seam of the whole run):
   updates the engine *before* committing). A group records the version at
   admission; every token it produces has a version at least that.
 
-Staleness by admission, not by dropping (PITFALLS: dropping stale groups at
-the sink starves slow, hard tasks). With S = max_staleness and G =
+Staleness by admission, not by dropping (docs/pitfalls.md: dropping stale
+groups at the sink starves slow, hard tasks). With S = max_staleness and G =
 groups_per_step:
 
 1. Admission: a group is admitted only while fewer than (S + 1) * G groups

@@ -2,8 +2,8 @@
 sampler's logprobs and versions, plus its advantage.
 
 One sample per trajectory *segment*: turns within a segment extend the same
-prefix, so they are merged into one sequence (PITFALLS: one sample per turn
-multiplies compute and advances the schedule too fast). Every segment of a
+prefix, so they are merged into one sequence (docs/pitfalls.md: one sample per
+turn multiplies compute and advances the schedule too fast). Every segment of a
 self-summarised chain gets the episode's advantage.
 """
 

@@ -47,6 +47,7 @@ class ShapingConfig(AtelierConfig):
     length_coef: float = 0.0
     """Weight of the length cost C(x) in the reward (0 turns it off)."""
     length_k: float = Field(1e-3, gt=0)
+    """Scale k of the length cost (see the module docstring)."""
     length_q: float = Field(0.5, ge=0)
     """Concavity: 0 is linear, closer to 1 flattens faster."""
     token_weights: dict[str, float] = Field(default_factory=lambda: {
@@ -55,9 +56,13 @@ class ShapingConfig(AtelierConfig):
     "completion" is the harness's total of sampled tokens, so it is left out by default
     (it would count thinking and tool-call tokens twice)."""
     tool_call_weight: float = 20.0
+    """Weight of each tool call in x."""
     turn_weight: float = 20.0
+    """Weight of each turn in x."""
     broken_call_penalty: float = 0.1
+    """Subtracted per malformed tool call (such rollouts are trained on, never discarded)."""
     unfinished_todo_penalty: float = 0.05
+    """Subtracted per to-do item created and left unfinished."""
     tamper_suspect_penalty: float = Field(0.0, ge=0)
     """Subtracted when the static screen flags the final diff (0 turns it off)."""
     edit_bonus: float = Field(0.0, ge=0)

@@ -91,6 +91,7 @@ class SandboxConfig(BaseModel):
     max_file_mb: int = Field(512, gt=0)
     """Largest file a process may write (RLIMIT_FSIZE)."""
     max_open_files: int = Field(1024, gt=0)
+    """File descriptors a process may hold (RLIMIT_NOFILE)."""
     cpu_time_s: int = Field(3600, gt=0)
     """CPU seconds per process (RLIMIT_CPU)."""
     output_limit_bytes: int = Field(1 * MiB, gt=0)

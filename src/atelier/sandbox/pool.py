@@ -43,9 +43,9 @@ caller, who must close them (the backend still kills them at exit).
 
 Where it is meant to be used, and where it is not (yet): RL rollouts and
 evaluation create their sandboxes directly (`atelier.harness.episode`), one
-per episode and one per grade. A bwrap sandbox is created in about 14 ms
-(p50, benchmarks/RESULTS.md) against episodes of seconds to minutes, so a
-warm spare would save under 1% there, and the reconciler's `workers` and
+per episode and one per grade. A bwrap sandbox is created in milliseconds
+(docs/log/2026-12-02-sandboxes.md) against episodes of seconds to minutes, so
+a warm spare would save little there, and the reconciler's `workers` and
 eval's `concurrency` already bound how many run at once. The pool pays off
 where creation is on the critical path: many short episodes at high
 concurrency (tool-light environments, interactive use), admission under host

@@ -23,9 +23,9 @@ first, in a private mount namespace (the host's mount table never changes):
 Where it runs: in one thread of the atelier process (`Stager`) that has
 unshared its mount namespace (a namespace is per thread; a process started
 from that thread inherits it). Earlier this was a Python program of its own,
-started for every sandbox: one interpreter start per sandbox (~20 ms on a
-quiet machine, ~50 ms under load), which made root's sandboxes about twice as
-slow to create as a user's. Now a sandbox costs root the mounts and one
+started for every sandbox: one interpreter start per sandbox, which made
+root's sandboxes much slower to create than a user's
+(docs/log/2026-12-02-sandboxes.md). Now a sandbox costs root the mounts and one
 ``setpriv`` exec. The user namespace that an idmapped mount needs (a mapping
 of the owner to the unprivileged id) is made once per owner, by an
 ``unshare`` child, and kept for the process's life.

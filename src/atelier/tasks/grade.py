@@ -94,7 +94,7 @@ An agent's own command killed for memory is neither: its tool result says
 so and the episode goes on (`harness.tools.shell`).
 
 A timeout of the test run is an infrastructure error (`infra_error=True`):
-the trainer excludes and retries it rather than scoring 0 (see PITFALLS),
+the trainer excludes and retries it rather than scoring 0 (docs/pitfalls.md),
 unless the stream already proves tampering, or it is complete (the process
 hung after pytest returned: the results stand).
 

@@ -58,6 +58,7 @@ class PythonEnv(AtelierConfig):
     mounted read-only into it; see `atelier.tasks.envs`."""
 
     kind: Literal["python"] = "python"
+    """The environment's kind: a virtual environment."""
     python: str = Field(pattern=r"^3\.\d+$")
     """The interpreter's `major.minor`, e.g. "3.11"; pinned so gold stays green."""
     requirements: list[str] = Field(default_factory=list)
@@ -71,6 +72,7 @@ class NoEnv(AtelierConfig):
     """No environment is built: tests run with whatever `python` the sandbox has."""
 
     kind: Literal["none"]
+    """The environment's kind: none."""
 
 
 Env = Annotated[Union[PythonEnv, NoEnv], Field(discriminator="kind")]
@@ -80,8 +82,11 @@ class TaskMetadata(AtelierConfig):
     source: str = "unknown"
     """Where the task came from: "release-diff", "mutation", "swe-bench" …"""
     category: str = "unknown"
+    """A label the curriculum and the reports group tasks by."""
     files_changed: int = Field(0, ge=0)
+    """Files the gold patch changes."""
     lines_changed: int = Field(0, ge=0)
+    """Lines the gold patch changes."""
 
 
 class TaskLimits(AtelierConfig):
@@ -89,11 +94,17 @@ class TaskLimits(AtelierConfig):
     fields keep `SandboxConfig`'s defaults. `timeout_s` bounds the test run."""
 
     timeout_s: Optional[float] = Field(None, gt=0)
+    """Wall-clock limit of the graded test run."""
     memory_mb: Optional[int] = Field(None, gt=0)
+    """Memory of the whole sandbox."""
     max_processes: Optional[int] = Field(None, gt=0)
+    """Processes and threads at once."""
     disk_mb: Optional[int] = Field(None, gt=0)
+    """Bytes that may be written into the workspace and /tmp."""
     max_file_mb: Optional[int] = Field(None, gt=0)
+    """Largest file a process may write."""
     cpu_time_s: Optional[int] = Field(None, gt=0)
+    """CPU seconds per process."""
 
     def sandbox_config(self, **extra: object) -> SandboxConfig:
         """A `SandboxConfig` with these limits and `extra` (backend, mounts …)."""
@@ -104,8 +115,11 @@ class TaskSpec(AtelierConfig):
     """What `task.toml` holds."""
 
     id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    """The task's id (its directory's name in a suite)."""
     prompt: str = Field(min_length=1)
+    """What the agent is asked to do."""
     env: Env = Field(default_factory=lambda: NoEnv(kind="none"))
+    """How the task's dependencies are provided (`kind = "python"` or `"none"`)."""
     hidden_tests: list[str] = Field(default_factory=list)
     """Paths in the repository; their content lies under the task's `tests/`."""
     fail_to_pass: list[str] = Field(default_factory=list)
@@ -116,7 +130,9 @@ class TaskSpec(AtelierConfig):
     """The test runner; node ids and result options are appended. A leading
     `python` means the task environment's interpreter."""
     metadata: TaskMetadata = Field(default_factory=TaskMetadata)
+    """Where the task came from and its size."""
     limits: TaskLimits = Field(default_factory=TaskLimits)
+    """The sandbox limits of the task's episodes and gradings."""
 
 
 class Task(TaskSpec):

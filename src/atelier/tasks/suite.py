@@ -57,20 +57,27 @@ class ReleaseEntry(AtelierConfig):
     """Two consecutive releases of one package → one release-diff task."""
 
     package: str = Field(pattern=_PACKAGE)
+    """The package's PyPI name."""
     from_version: str = Field(pattern=_VERSION)
+    """The older release: the task's base."""
     to_version: str = Field(pattern=_VERSION)
+    """The newer release: its code is the gold patch, its tests the hidden tests."""
     old_dir: Optional[str] = None
     """Unpacked older release, relative to the spec file, instead of PyPI."""
     new_dir: Optional[str] = None
+    """Unpacked newer release, relative to the spec file, instead of PyPI."""
     tests: list[str] = Field(default_factory=list)
     """Test modules to run (globs of repository paths); empty: all of them."""
     requirements: Optional[list[str]] = None
     """Pinned requirements; None: the new release's, resolved at build time."""
     timeout_s: float = Field(300.0, gt=0)
+    """Wall-clock limit of one graded test run."""
     split: Literal["test", "train", "dev"] = "test"
+    """The suite split the task goes to."""
     fail_to_pass: Optional[int] = Field(None, ge=1)
     """Informational: FAIL_TO_PASS count when the entry was validated."""
     pass_to_pass: Optional[int] = Field(None, ge=0)
+    """Informational: PASS_TO_PASS count when the entry was validated."""
 
     @model_validator(mode="after")
     def _dirs_together(self) -> "ReleaseEntry":
@@ -91,16 +98,21 @@ class MutationEntry(AtelierConfig):
     """One real repository → up to `count` mutation tasks."""
 
     package: str = Field(pattern=_PACKAGE)
+    """The package's name (its PyPI name with `version`)."""
     version: Optional[str] = Field(None, pattern=_VERSION)
     """The PyPI release whose sdist is mutated (with `path`, informational)."""
     path: Optional[str] = None
     """A local repository, relative to the spec file, instead of PyPI."""
     seed: int = 0
+    """Seeds the mutation search."""
     count: int = Field(ge=1)
+    """Tasks built at most."""
     max_attempts: Optional[int] = Field(None, ge=1)
     """Single candidates tested at most (default: 20 × count)."""
     timeout_s: float = Field(120.0, gt=0)
+    """Wall-clock limit of one graded test run."""
     split: Literal["test", "train", "dev"] = "train"
+    """The suite split the tasks go to."""
     max_mutations: int = Field(3, ge=1)
     """Mutations combined in one task at most (its size is drawn from 1..this).
     Combinations spread over files; 1 keeps every task inside one source file."""
@@ -120,12 +132,17 @@ class MutationEntry(AtelierConfig):
 
 class SuiteSpec(AtelierConfig):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    """The suite's name (its directory's name by default)."""
     version: str = "0"
+    """The spec's version."""
     description: str = ""
+    """What the suite is, for people."""
     runs: int = Field(3, ge=1)
     """Probe runs per side for release diffs, and gold grading runs at validation."""
     release: list[ReleaseEntry] = Field(default_factory=list)
+    """Release-diff entries, each a `[[release]]` table."""
     mutation: list[MutationEntry] = Field(default_factory=list)
+    """Mutation entries, each a `[[mutation]]` table."""
 
     @model_validator(mode="after")
     def _unique(self) -> "SuiteSpec":

@@ -5,7 +5,7 @@ Example: `atelier tasks validate suites/mutations --runs 3 --json`.
 
 A task is valid when `grade(task, gold)` gives reward 1 in each of `runs`
 runs (default 3: a gold patch that passes only sometimes means a flaky test
-or a drifted dependency, see PITFALLS) and `grade(task, "")` gives reward 0
+or a drifted dependency, see docs/pitfalls.md) and `grade(task, "")` gives reward 0
 (else the task asks for nothing). A task directory that does not load is
 invalid too, with the loader's message as the reason (so is one whose
 environment cannot be built).
@@ -151,9 +151,8 @@ def check_task(task: Task, runs: int = 3, *, backend: str = "bwrap",
     is not looked at when gold already failed: the task is invalid either way.
 
     The gradings share nothing but the task's read-only snapshot, so they
-    run side by side: building the demo's 24 tasks (each validated with 3
-    gold runs) took 88 s on two cores, against 130 s one at a time, and
-    built the same tasks."""
+    run side by side, and build the same tasks as one at a time
+    (docs/log/2026-12-05-dotted-names.md)."""
     def run(patch: str) -> RunOutcome:
         return _outcome(grade(task, patch, backend=backend, cache_dir=cache_dir))
 

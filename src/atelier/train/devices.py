@@ -41,8 +41,8 @@ def pick_device(choice: str, local_rank: int = 0) -> torch.device:
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
-    """'auto' is bf16 on a GPU that has it and fp32 on the CPU, where the built-in sampler
-    computes in fp32 (ask for "bf16" explicitly: CPUs with `cpu_has_bf16` run it fast)."""
+    """'auto' is bf16 on a GPU that has it and fp32 on the CPU (ask for "bf16" explicitly on a CPU
+    with `cpu_has_bf16`, where the built-in engine samples in bf16 too)."""
     if precision in ("fp32", "bf16"):
         return precision
     if precision != "auto":
@@ -82,9 +82,8 @@ def return_freed_memory() -> bool:
     step a trainer's activations (tens of MiB each at thousands of tokens)
     come from the heaps, and their freed holes stay resident beside the next
     ones. Fixing the threshold (and the heap trim threshold) at 1 MiB maps
-    every large tensor and unmaps it when freed. Measured on the RL trainer,
-    bf16, 4 layers of SmolLM2-135M at 4 x 1,024 tokens: peak RSS 1.564 ->
-    1.423 GiB, step time the same within one run. Process-wide, like the
+    every large tensor and unmaps it when freed: a lower peak for the same step time
+    (docs/log/2026-12-03-figures-from-the-code.md). Process-wide, like the
     MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ variables it stands for.
     """
     libc = _glibc()
@@ -102,9 +101,8 @@ def trim_freed_memory() -> bool:
     allocations under its threshold, in the heaps of every thread that made them (the RL
     stage's engine and rollout workers share the trainer's process). glibc trims a heap
     only from its top, so what is freed beneath a live allocation stays resident and the
-    resident set grew step after step: the RL trainer alone, bf16, 4 samples of about
-    1,450 tokens, rested at 2.93, 3.26, 3.58, 3.85, 3.99 GiB after steps 1-5, and at
-    2.64 GiB after each with this called after the step (it costs milliseconds).
+    resident set grew step after step; with this called after each step it rests at one level
+    (docs/log/2026-12-04-rl-epoch.md).
     """
     libc = _glibc()
     if libc is None:

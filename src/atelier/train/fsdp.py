@@ -7,14 +7,15 @@ reduce_dtype=fp32)` for bf16: compute in bf16, fp32 master weights, fp32
 gradient reduction. FSDP averages gradients over ranks; the trainers multiply
 each backward by `grad_scale(ranks)` (the world size) so the reduction is a
 *sum*: the losses divide by one global constant, and the sum over ranks of
-each rank's gradient is the one-rank gradient (PITFALLS: per-rank
+each rank's gradient is the one-rank gradient (docs/pitfalls.md: per-rank
 normalisation changes the objective with the number of ranks). (FSDP's own
 divide factor needs NCCL's PreMulSum, which gloo lacks.)
 
 On one rank `compute_weights` does what that policy does, without a process
 group: for one optimizer step it swaps bf16 copies of the fp32 master weights
 into the modules (cast once per step, not at every use as `torch.autocast`
-does, which measured slower than fp32 on one rank), and adds each backward's
+does, which ran slower than fp32 on one rank:
+docs/log/2026-12-03-trainer-ranks-and-precision.md), and adds each backward's
 bf16 gradients into the masters' fp32 `.grad`; the masters, the optimizer,
 state dicts and checkpoints never see a bf16 tensor.
 """

@@ -6,8 +6,8 @@ Legend: B = sequences, T = tokens, C = tokens in one logprob chunk, V = vocabula
 per-token logprobs (and entropy) of the given ids, computed over chunks of C
 tokens (`atelier.kernels.logprobs`, its own checkpoint): the fp32 [B, T, V]
 log-softmax is never in memory, only [C, V] blocks, in the forward and in the
-backward (PITFALLS: a whole-vocabulary fp32 log-softmax ran trainers out of
-memory). Logprobs are those of log_softmax(logits / temperature), the same
+backward (docs/pitfalls.md: a whole-vocabulary fp32 log-softmax ran trainers out
+of memory). Logprobs are those of log_softmax(logits / temperature), the same
 quantity the engine reports (see atelier.inference.sampling).
 """
 

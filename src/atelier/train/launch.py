@@ -28,10 +28,9 @@ program is a plain torchrun program and runs unchanged under `torchrun
 
 Independently, every collective inside the ranks has a timeout
 (`trainer.timeout_s`), so a rank that hangs without exiting also ends the job.
-Measured against the hand-written launcher it replaces (a trivial two-rank
-program on the 2-core machine): 1.3-1.6 s from the call to the ranks' exit
-against 0.24 s, most of it importing torch in the launcher; the ranks of a
-real run import it anyway and run for minutes.
+Against the hand-written launcher it replaces, it costs a second or so of
+start-up, most of it importing torch in the launcher; the ranks of a real run
+import it anyway and run for minutes (docs/log/2026-12-03-figures-from-the-code.md).
 """
 
 from __future__ import annotations

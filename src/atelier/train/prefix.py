@@ -176,9 +176,9 @@ class SharedPrefix:
     tokens. The result is the gradient of running every sample whole, up to
     rounding (tests/rl/test_trainer.py). With `recompute` (the trainer's
     `recompute_prefix`), that forward is run again for the backward instead
-    of being kept: the run's activations (about 1.3 GB for SmolLM2-135M's
-    1,200 tokens in bf16) are not held while every continuation runs, for one
-    more forward of the run a step. `length` counts every position the
+    of being kept: the run's activations are not held while every continuation
+    runs, for one more forward of the run a step
+    (docs/log/2026-12-04-shared-prefix-trainer.md). `length` counts every position the
     continuations read: the parent's too.
     """
 

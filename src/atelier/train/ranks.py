@@ -4,7 +4,7 @@
   (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and joins the
   process group: NCCL on CUDA, gloo on the CPU. Every collective inherits
   `timeout_s`: a rank that dies or hangs makes the others raise instead of
-  waiting forever (PITFALLS: collectives with no timeout hung the job). With
+  waiting forever (docs/pitfalls.md: collectives with no timeout hung the job). With
   WORLD_SIZE unset or 1 nothing is initialised and the model is left
   unwrapped: one rank is exactly the single-process trainer.
 - A rank's whole run sits inside `joined_ranks(...)`, which first checks that

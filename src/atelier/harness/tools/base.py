@@ -28,8 +28,11 @@ class ToolsConfig(AtelierConfig):
     read_max_lines: int = Field(400, gt=0)
     """Lines `read_file` shows when no range is given."""
     grep_max_matches: int = Field(100, gt=0)
+    """Matches `grep` shows at most."""
     list_max_entries: int = Field(300, gt=0)
+    """Entries `list_dir` shows at most."""
     search_max_results: int = Field(8, gt=0)
+    """Results `codebase_search` returns at most."""
     recent_files: int = Field(10, ge=0)
     """How many recently viewed or edited files the prompt lists after a summary."""
 

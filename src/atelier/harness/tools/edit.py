@@ -1,8 +1,8 @@
 """`edit_file`: replace one exact, unique piece of text.
 
 The unique-match rule keeps edits unambiguous. When it fails the message
-says exactly why and what to do (PITFALLS: edit tools that only said "no
-match" left agents looping): for zero matches, the most similar passage of
+says exactly why and what to do (docs/pitfalls.md: edit tools that only
+said "no match" left agents looping): for zero matches, the most similar passage of
 the file with its line numbers and a similarity figure, and whether only
 whitespace differs; for several matches, how many and on which lines.
 """

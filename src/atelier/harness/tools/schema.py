@@ -9,9 +9,9 @@ object that does not say otherwise); only the wording is ours, because the
 model reads it: "unknown argument 'file' (expected: path, start_line)"
 rather than "Additional properties are not allowed ('file' was unexpected)".
 
-Cost: a validator is built once per schema; a check takes about 0.1 ms
-(about ten times the hand-written subset this replaced, a few percent of the
-harness's 5 ms per call budget; `benchmarks/harness.py` measures the whole).
+Cost: a validator is built once per schema; a check is a small part of the
+harness's per-call budget (docs/log/2026-12-03-figures-from-the-code.md;
+`benchmarks/harness.py` measures the whole).
 """
 
 from __future__ import annotations

@@ -77,8 +77,8 @@ def last_part_pattern(pattern: str) -> str | None:
 
     Agents grep for the name a task gives them, and `def CacheMemory.expire`
     matches nothing: Python writes a method as `def expire` inside its class.
-    The demo's policy did so in 15 of its 20 held-out attempts at dotted names
-    (recipes/demo.md), and never found the code."""
+    The demo's policy did so in most of its held-out attempts at dotted names,
+    and never found the code (docs/log/2026-12-05-dotted-names.md)."""
     cut = _DOTTED.sub(lambda found: re.split(r"\\?\.", found.group(0))[-1], pattern)
     return None if cut == pattern else cut
 
