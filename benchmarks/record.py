@@ -68,12 +68,19 @@ def stamp() -> dict:
             "load_at_start": load()}
 
 
+def portable(text: str) -> str:
+    """`text` with this checkout's root written `.` and the home directory `~`: a record names
+    files the same on every machine, and names no one's directories."""
+    root = str(Path(__file__).resolve().parent.parent)
+    return text.replace(root, ".").replace(str(Path.home()), "~")
+
+
 def save(name: str, report: dict) -> Path:
     RESULTS.mkdir(exist_ok=True)
     report["load_at_end"] = load()
     when = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     path = RESULTS / f"{name}-{when}-{report.get('commit', commit()).replace('+', '-')}.json"
-    path.write_text(json.dumps(report, indent=1) + "\n")
+    path.write_text(portable(json.dumps(report, indent=1)) + "\n")
     return path
 
 

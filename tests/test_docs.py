@@ -138,3 +138,11 @@ def test_log_entries_are_dated_and_titled() -> None:
         date = re.match(r"(\d{4}-\d{2}-\d{2})-[a-z0-9-]+\.md$", entry.name)
         assert date, f"{entry.name}: not DATE-name.md"
         assert entry.read_text(encoding="utf-8").startswith(f"# {date.group(1)} — "), entry.name
+
+
+def test_records_name_no_ones_directories() -> None:
+    """Benchmark and run records write this checkout as `.` and the home directory as `~`."""
+    home = str(Path.home())
+    for record in [*(ROOT / "benchmarks" / "results").glob("*.json"), *(ROOT / "results").rglob("*.json")]:
+        text = record.read_text()
+        assert home not in text and "/home/" not in text, record.name
