@@ -247,13 +247,36 @@ def test_step_threads_probe_the_other_count_and_keep_the_faster(monkeypatch):
     clock[0] += PROBE_FIRST
     assert step(8, quiet) == 1                       # a probe, slower: 2 stays
     assert [step(8, quiet) for _ in range(5)] == [2] * 5
-    assert policy.current == 2 and policy._probe_gap == 2 * PROBE_FIRST
+    assert policy.current == 2 and policy._probe_gap[policy.bucket(8)] == 2 * PROBE_FIRST
     busy = {2: 0.050, 1: 0.020}                      # e.g. another OpenMP team in the process
     assert [step(8, busy) for _ in range(4)] == [2] * 4
     clock[0] += 2 * PROBE_FIRST
     assert [step(8, busy) for _ in range(3)] == [1, 1, 1]
     assert policy.current == 1 and policy.switches == 1
     assert StepThreads(fixed=1).choose(8) == 1 and StepThreads(most=1).choose(8) == 1
+
+
+def test_step_threads_choose_for_each_batch_size_apart(monkeypatch):
+    """One thread can be the faster for a batch of one while two are for a batch of 64 (small
+    operations wait for both threads, large ones gain): each size keeps its own count."""
+    clock = [1000.0]
+    monkeypatch.setattr("atelier.inference.threads.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("atelier.inference.threads.run_queue_wait_ns", lambda tid: 0)
+    policy = StepThreads(most=2)
+    seconds = {(1, 2): 0.020, (1, 1): 0.012, (64, 2): 0.050, (64, 1): 0.090}
+
+    def step(batch: int) -> int:
+        n = policy.choose(batch)
+        policy.record(n, batch, seconds[(batch, n)])
+        clock[0] += 0.1
+        return n
+
+    for _ in range(3):
+        step(1), step(64)
+    clock[0] += PROBE_FIRST
+    step(1), step(64)                                  # each size probes its other count
+    assert [step(1) for _ in range(3)] == [1, 1, 1]
+    assert [step(64) for _ in range(3)] == [2, 2, 2]
 
 
 def test_step_threads_drop_to_one_when_the_cores_are_wanted(monkeypatch):
