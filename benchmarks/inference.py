@@ -22,7 +22,9 @@ row runs) also runs it once without its prefix cache: the replies must be identi
 Protocol: the whole set is repeated `--repeats` times (at least 2). Within a repetition each
 batch size runs every row before the next batch size, then the agent workload runs on every
 row that has it (A B A B). Each measurement records the one-minute load average when it
-started. A row's figure at a batch size is the median over repetitions.
+started, after `record.settle()` let the cores go quiet (a peer may spin on after it
+answers: the next row would pay for it). A row's figure at a batch size is the median over
+repetitions.
 
 Ratios: the recipes' engine (the built-in row in the dtype `dtype="auto"` picks here) over the
 best peer row (the fastest transformers or vLLM row at that batch size, whichever it is), at
@@ -391,20 +393,20 @@ def measure_rows(args, rows: dict[str, RowProcess], sections: set[str]) -> dict:
         if "throughput" in sections:
             for b in args.batches:
                 for name, row in live.items():
-                    load = record.load()
+                    quiet, load = record.settle(), record.load()
                     result = row.call("throughput", b)
                     runs.append(progress(f"{name} batch {b}", {"row": name, "batch": b, "repeat": rep,
-                                                               "load": load, **result}))
+                                                               "load": load, **quiet, **result}))
         if "agent" in sections:
             for name, row in live.items():
                 if not hasattr(ROW_KINDS[name.rsplit("_", 1)[0]], "agent"):
                     continue
-                load = record.load()
+                quiet, load = record.settle(), record.load()
                 result = row.call("agent")
                 replies = result.pop("replies", None)
                 digest = hashlib.sha1(json.dumps(replies).encode()).hexdigest()[:12]
                 runs.append(progress(f"{name} agent", {"row": name, "batch": "agent", "repeat": rep, "load": load,
-                                                       **result, "replies_sha1": digest}))
+                                                       **quiet, **result, "replies_sha1": digest}))
     return {"runs": runs, "rows": {name: summarize(runs, name) for name in live},
             "skipped": {name: r.error for name, r in rows.items() if r.error is not None}}
 

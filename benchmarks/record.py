@@ -4,7 +4,8 @@
 versions that decide speed; `commit()` the code measured (with `+dirty` when the tree had
 uncommitted changes); `save(name, report)` writes the report as
 `benchmarks/results/<name>-<UTC time>-<commit>.json` and returns the path. A run's load is
-part of its figures: `load()` is the one-minute load average, taken per measured row.
+part of its figures: `load()` is the one-minute load average, taken per measured row, and
+`settle()` waits, before a row, until the rows measured before it have let go of the cores.
 Every benchmark script starts its report with `stamp()` and ends with `finish(name, report,
 save)`, which saves it (or, with the script's `--no-save`, only adds the load at the end);
 `atelier results render` lists the saved files in `benchmarks/RESULTS.md`.
@@ -24,6 +25,35 @@ RESULTS = Path(__file__).parent / "results"
 
 def load() -> float:
     return round(os.getloadavg()[0], 2)
+
+
+def busy_cores(seconds: float = 0.25) -> float:
+    """Cores busy over the next `seconds`, every process counted (from /proc/stat; 0.0 where
+    the kernel does not say)."""
+    def sample() -> tuple[int, int]:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(x) for x in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return 0, 0
+        return sum(fields), fields[3] + fields[4]   # all ticks, idle + iowait ticks
+    (total0, idle0), _ = sample(), time.sleep(seconds)
+    total1, idle1 = sample()
+    if total1 == total0:
+        return 0.0
+    return round((os.cpu_count() or 1) * (1 - (idle1 - idle0) / (total1 - total0)), 2)
+
+
+def settle(below: float = 0.2, most_s: float = 10.0) -> dict:
+    """Wait until fewer than `below` cores are busy, at most `most_s` seconds. A peer can keep
+    a core spinning after it answers (vLLM's CPU worker polls for its next step for about a
+    second), which would otherwise be charged to whichever row runs next. Returns how long it
+    waited and what was busy when it stopped waiting."""
+    start = time.monotonic()
+    busy = busy_cores()
+    while busy >= below and time.monotonic() - start < most_s:
+        busy = busy_cores()
+    return {"settle_s": round(time.monotonic() - start, 2), "busy_cores": busy}
 
 
 def commit() -> str:

@@ -165,7 +165,8 @@ def machine_name(record: dict[str, Any]) -> str:
     return f"{m.get('gpu') or m.get('cpu', '?')}, {m.get('cores', '?')} cores ({units})"
 
 
-ENGINE_NAMES = {"builtin": "atelier's engine", "transformers_padded": "transformers, one padded `generate`",
+ENGINE_NAMES = {"builtin": "atelier's engine", "builtin1thread": "atelier's engine on one thread",
+                "transformers_padded": "transformers, one padded `generate`",
                 "vllm": "vLLM"}
 """What `benchmarks/inference.py` calls each engine, as a reader names it; the suffix is the dtype."""
 
