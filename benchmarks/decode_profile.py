@@ -14,9 +14,11 @@ one kind:
 - python: the step's wall time not spent in any operator (the scheduler, bookkeeping, Python
   between operators).
 
-Thread count is what the engine chose (reported per batch). Run it alone on a quiet machine.
+The engine runs on `--threads` threads (default: torch's count), pinned: the profiler's own
+work would otherwise make the engine's per-step choice (`atelier.inference.threads`) drop to one
+thread, and the profile would be of a step users do not run. Run it alone on a quiet machine.
 
-    python benchmarks/decode_profile.py [--model smollm2-135m] [--batches 1,16,64] [--steps 10]
+    python benchmarks/decode_profile.py [--model smollm2-135m] [--batches 1,16,64] [--steps 10] [--threads N]
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--dtype", default=None)
+    parser.add_argument("--threads", type=int, default=None, help="default: torch's thread count")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
     from inference import chat_prompts, model_dir
@@ -112,7 +115,10 @@ def main() -> None:
 
     batches = [int(b) for b in args.batches.split(",")]
     report = {"benchmark": "decode_profile", **record.stamp(), "model": args.model, "batches": {}}
-    with LocalEngine(model_dir(args.model), dtype=args.dtype, max_batch=max(batches)) as engine:
+    import torch
+
+    threads = args.threads or torch.get_num_threads()
+    with LocalEngine(model_dir(args.model), dtype=args.dtype, max_batch=max(batches), threads=threads) as engine:
         report["dtype"] = str(engine.dtype).removeprefix("torch.")
         prompts = chat_prompts(engine.tokenizer, max(batches))
         for b in batches:   # warm-up: compiled kernels for every batch size
