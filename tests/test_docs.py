@@ -157,13 +157,17 @@ def test_a_benchmark_row_waits_for_a_busy_core_to_go_quiet() -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import record
 
-    spin = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass"])
+    def spinner(seconds: float) -> subprocess.Popen:
+        loop = f"import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass"
+        return subprocess.Popen([sys.executable, "-c", loop])
+
+    spin = spinner(1.5)
     try:
         quiet = record.settle(below=0.6, most_s=20.0)
     finally:
         spin.wait()
     assert quiet["settle_s"] >= 0.5 and quiet["busy_cores"] < 0.6
-    spin = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 30\nwhile time.time() < end: pass"])
+    spin = spinner(30)
     try:
         bounded = record.settle(below=0.6, most_s=1.0)
     finally:
