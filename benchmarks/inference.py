@@ -499,6 +499,10 @@ def weight_update(args, dtype: str) -> dict:
 
         params = SamplingParams(max_tokens=512, temperature=0.0, stop_token_ids=(-1,))
         prompts = chat_prompts(engine.tokenizer, 8)
+        # warm: the first steps at a batch size build its kernels, which is not the update's time
+        warm = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=(-1,))
+        for h in [engine.submit(p, warm) for p in prompts]:
+            h.result()
         handles = [engine.submit(p, params, on_token=on_token) for p in prompts]
         while engine.stats["steps"] < 3:
             time.sleep(0.01)
