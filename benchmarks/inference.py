@@ -503,8 +503,9 @@ def weight_update(args, dtype: str) -> dict:
         warm = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=(-1,))
         for h in [engine.submit(p, warm) for p in prompts]:
             h.result()
+        steps = engine.stats["steps"]
         handles = [engine.submit(p, params, on_token=on_token) for p in prompts]
-        while engine.stats["steps"] < 3:
+        while engine.stats["steps"] < steps + 3:   # mid-decode: the prompts prefilled, tokens flowing
             time.sleep(0.01)
         published = time.perf_counter()
         engine.update_weights({k: v.clone() for k, v in state.items()}, version=3)
