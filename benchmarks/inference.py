@@ -34,8 +34,8 @@ every batch size, and over vLLM on the agent workload (seconds, inverted). A rat
 Other sections, each in a fresh process of its own, after the rows: `long` (decode at long
 context: `--long-batch` requests of `--long-context` distinct tokens decode `--long-tokens`
 greedy tokens at once, ms per step counted after the last prefill), `weights` (full-model
-`update_weights` from tensors and from a safetensors directory, and publish-to-first-new-token
-while 8 requests stream), `serve` (peak resident memory of `atelier serve` while
+`update_weights` from tensors, the first and then warm, and from a safetensors directory, and
+publish-to-first-new-token while 8 requests decode), `serve` (peak resident memory of `atelier serve` while
 `--serve-clients` clients send ~`--serve-prompt-tokens`-token chat prompts; target <= 2 GB).
 
 Prints ONE JSON object and writes it to `benchmarks/results/inference-<time>-<commit>.json`
@@ -488,6 +488,9 @@ def weight_update(args, dtype: str) -> dict:
             tempfile.TemporaryDirectory() as tmp:
         state = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
         in_process, _ = timed(lambda: engine.update_weights(state, version=1))
+        # the first write to each weight page faults it in (a model loaded from a mapped file);
+        # an RL run pays that once, then every later update's time
+        warm_s = statistics.median(timed(lambda: engine.update_weights(state, version=1))[0] for _ in range(3))
         save_file({k: v.contiguous() for k, v in state.items() if not k.startswith("lm_head")},
                   f"{tmp}/model.safetensors")
         from_path, _ = timed(lambda: engine.update_weights_from_path(tmp, version=2))
@@ -507,14 +510,16 @@ def weight_update(args, dtype: str) -> dict:
         handles = [engine.submit(p, params, on_token=on_token) for p in prompts]
         while engine.stats["steps"] < steps + 3:   # mid-decode: the prompts prefilled, tokens flowing
             time.sleep(0.01)
+        fresh = {k: v.clone() for k, v in state.items()}   # the caller's copy is not the update's time
         published = time.perf_counter()
-        engine.update_weights({k: v.clone() for k, v in state.items()}, version=3)
+        engine.update_weights(fresh, version=3)
         deadline = time.monotonic() + 600
         while not first_new and time.monotonic() < deadline:
             time.sleep(0.005)
         for h in handles:
             h.cancel()
         return {"dtype": dtype, "tensors": len(state), "in_process_s": round(in_process, 3),
+                "in_process_warm_s": round(warm_s, 3),
                 "from_safetensors_dir_s": round(from_path, 3),
                 "publish_to_first_new_token_s": round(first_new[0] - published, 3) if first_new else None}
 
