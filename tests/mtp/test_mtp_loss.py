@@ -126,3 +126,26 @@ def test_acceptance_counts_chains_by_hand() -> None:
     acc.merge(other)
     assert acc.to_dict()["mean_accepted_length"] == pytest.approx(stats["mean_accepted_length"])
     assert acc.starts == 6
+
+
+def test_a_draft_vocabulary_distils_on_its_ids_and_matches_the_whole_vocabularys_argmax() -> None:
+    teacher, student, weight, b, weights = _tensors(V=40, bias=True)
+    s1 = student.clone().requires_grad_(True)
+    w1 = weight.clone().requires_grad_(True)
+    out = distill_kl(teacher, s1, w1, b, weights, chunk=3, vocab=25)
+    s2 = student.clone().requires_grad_(True)
+    w2 = weight.clone().requires_grad_(True)
+    expected = _direct(teacher, s2[:, :, :], w2[:25], b[:25], weights)
+    assert float(out.loss.detach()) == pytest.approx(float(expected.detach()), rel=1e-5)
+    out.loss.backward()
+    expected.backward()
+    assert torch.allclose(s1.grad, s2.grad, atol=1e-5)
+    assert torch.allclose(w1.grad[:25], w2.grad[:25], atol=1e-5) and w1.grad[25:].abs().sum() == 0
+    teacher_best = (teacher @ weight.T + b).argmax(-1)
+    student_best = (student @ weight[:25].T + b[:25]).argmax(-1)
+    counted = weights > 0
+    assert torch.equal(out.match_KN[counted], (student_best == teacher_best)[counted])
+    full_logp = torch.log_softmax(teacher @ weight.T + b, -1)[:, 0]
+    assert torch.allclose(out.teacher_logp_N, full_logp, atol=1e-6)   # targets default to id 0
+    with pytest.raises(ValueError):
+        distill_kl(teacher, student, weight, b, weights, vocab=41)

@@ -75,6 +75,8 @@ def eval_cmd(
     prompts: int = typer.Option(4, "--prompts", min=0, help="Greedy continuations to measure (0: none)."),
     prompt_len: int = typer.Option(256, "--prompt-len", min=1, help="Tokens of each prompt."),
     new_tokens: int = typer.Option(128, "--new-tokens", min=2, help="Greedy tokens generated per prompt."),
+    draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab", min=0, help="Draft from the first N "
+                                              "token ids (default: those the heads were distilled on; 0: all)."),
     device: str = typer.Option("auto", "--device", help="auto (a GPU when torch sees one), cpu or cuda."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 where the hardware has it), fp32 or bf16."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON result to this file."),
@@ -88,13 +90,14 @@ def eval_cmd(
 
     results = evaluate_heads(model, [str(r) for r in repos], tokens=tokens, seq_len=seq_len, prompts=prompts,
                              prompt_len=prompt_len, new_tokens=new_tokens, device=str(pick_device(device)),
-                             dtype=dtype)
+                             dtype=dtype, draft_vocab=draft_vocab)
     if out is not None:
         atomic_write(out, json.dumps(results, indent=1) + "\n")
     if as_json:
         print(json.dumps(results))
         return
-    typer.echo(f"{results['model']}: {results['heads']} heads, {results['tokens_seen']} training tokens seen")
+    vocab = f"drafts from the first {results['draft_vocab']} ids" if results["draft_vocab"] else "drafts from all ids"
+    typer.echo(f"{results['model']}: {results['heads']} heads, {results['tokens_seen']} training tokens seen, {vocab}")
     _echo_acceptance(f"held-out code ({results['text']['tokens']} tokens)", results["text"])
     if results["greedy"]:
         g = results["greedy"]

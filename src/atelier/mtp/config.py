@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
 from pydantic import Field, model_validator
 
@@ -29,6 +29,12 @@ class MTPConfig(AtelierConfig):
     lr_scale: float = Field(1.0, gt=0)
     """The heads' learning rate is the phase's times this (fresh heads learn faster than a trained
     trunk)."""
+    draft_vocab: Optional[int] = Field(None, gt=0)
+    """Distil over the first this many token ids only (p and q renormalised there); None: the whole
+    vocabulary. A byte-pair tokenizer numbers tokens in merge order, so the low ids are the frequent
+    ones; a drafter that proposes only them (the built-in engine drafts from the first 8,192) needs
+    nothing else, and the heads' vocabulary work shrinks by draft_vocab / vocab_size. Saved in
+    mtp.json."""
     chunk: int = Field(256, gt=0)
     """Positions per chunk of the distillation loss (memory: a few fp32 [chunk, vocab] blocks)."""
     eval_every: int = Field(0, ge=0)

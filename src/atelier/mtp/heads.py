@@ -138,6 +138,7 @@ class MTPHeads(nn.Module):
         self.hidden_size = int(config.hidden_size)
         self.vocab_size = int(config.vocab_size)
         self.tokens_seen = 0
+        self.draft_vocab: int | None = None   # the first ids they were distilled on (None: all)
         self.info: dict = {}   # how they were trained (mtp.json's `training`)
         param = next(parts.decoder.parameters())
         self.to(device=param.device, dtype=param.dtype)

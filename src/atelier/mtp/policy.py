@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from atelier.mtp.acceptance import Acceptance
-from atelier.mtp.heads import MTPHeads
+from atelier.mtp.heads import MTPError, MTPHeads
 from atelier.mtp.loss import align_to_teacher, distill_kl, head_weights
 from atelier.train.head import LOGPROB_CHUNK, PolicyHead, chunked_token_logprobs, decoder_of
 
@@ -43,11 +43,14 @@ class MTPStepOutput:
 
 class MTPPolicyHead(PolicyHead):
     def __init__(self, lm: torch.nn.Module, mtp: MTPHeads, trunk: str = "joint", chunk: int = LOGPROB_CHUNK,
-                 kl_chunk: int = 256) -> None:
+                 kl_chunk: int = 256, vocab: int | None = None) -> None:
         super().__init__(lm, chunk)
         if trunk not in TRUNK_MODES:
             raise ValueError(f"trunk must be one of {TRUNK_MODES}, got {trunk!r}")
-        self.mtp, self.trunk, self.kl_chunk = mtp, trunk, kl_chunk
+        if vocab is not None and not 1 <= vocab <= mtp.vocab_size:
+            raise MTPError(f"draft vocabulary {vocab} is outside the model's {mtp.vocab_size} token ids",
+                           hint=f"set mtp.draft_vocab to at most {mtp.vocab_size}, or leave it unset")
+        self.mtp, self.trunk, self.kl_chunk, self.vocab = mtp, trunk, kl_chunk, vocab
 
     def forward(self, ids_BT: torch.Tensor, attn_BT: torch.Tensor, temperature: float = 1.0,
                 want_entropy: bool = False, prefix=None, mtp_mask: torch.Tensor | None = None):
@@ -69,7 +72,8 @@ class MTPPolicyHead(PolicyHead):
         targets_BT = torch.zeros_like(ids_BT)
         targets_BT[:, :-1] = ids_BT[:, 1:]
         out = distill_kl(normed_BTH.reshape(-1, H), student_KBTH.reshape(K, -1, H), lm_head.weight,
-                         lm_head.bias, weights_KBT.reshape(K, -1), targets_BT.reshape(-1), self.kl_chunk)
+                         lm_head.bias, weights_KBT.reshape(K, -1), targets_BT.reshape(-1), self.kl_chunk,
+                         self.vocab)
         if frozen:   # the teacher's pass gave the main logprobs (position 0 gets 0, as chunked_token_logprobs)
             logp_BT = torch.cat([torch.zeros(B, 1, device=ids_BT.device),
                                  out.teacher_logp_N.view(B, T)[:, :-1]], dim=1)

@@ -2,7 +2,8 @@
 
 `mtp.json` says what the heads are for: their count, the base model's type, architectures,
 hidden size, vocabulary and layer count, the dtype of the saved tensors, how many training
-tokens they have seen, and a free-form `training` record (trunk mode, init, the held-out
+tokens they have seen, `draft_vocab` (they were distilled on the first that many token ids
+only: draft from no more; null: the whole vocabulary), and a free-form `training` record (trunk mode, init, the held-out
 repositories of the run that trained them). The weights are named as `MTPHeads.state_dict()`
 names them (`heads.0.block.self_attn.q_proj.weight`, ...): each head's block is named like the
 base model's layers.
@@ -53,7 +54,7 @@ def save_mtp_heads(model_dir: str | Path, heads: MTPHeads, *, state_dict: dict[s
             "architectures": heads.architectures, "hidden_size": heads.hidden_size,
             "vocab_size": heads.vocab_size, "num_hidden_layers": num_hidden_layers,
             "block": type(heads.heads[0].block).__name__, "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
-            "tokens_seen": int(heads.tokens_seen), "training": heads.info}
+            "tokens_seen": int(heads.tokens_seen), "draft_vocab": heads.draft_vocab, "training": heads.info}
     atomic_write(out / META, json.dumps(meta, indent=1) + "\n")
     write_weights_index(out)
     return out
@@ -122,5 +123,6 @@ def load_mtp_heads(model_dir: str | Path, base_model: nn.Module) -> MTPHeads | N
     param = next(base_model.parameters())
     heads.load_state_dict({k: v.to(device=param.device, dtype=expected[k].dtype) for k, v in state.items()})
     heads.tokens_seen = meta["tokens_seen"]
+    heads.draft_vocab = meta.get("draft_vocab")
     heads.info = dict(meta.get("training") or {})
     return heads

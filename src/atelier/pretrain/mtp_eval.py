@@ -11,7 +11,9 @@ per row:
   tokens the heads are fed are the main head's choices, as in greedy speculative decoding, so
   the figures are what a greedy verifier would accept, start by start.
 
-The repositories default to the held-out ones the training run recorded in mtp.json.
+The repositories default to the held-out ones the training run recorded in mtp.json. A draft is
+the head's argmax over the first `draft_vocab` token ids (those the heads were distilled on, or
+any other number asked for), compared with the model's argmax over the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -32,8 +34,11 @@ from atelier.train.devices import cpu_has_bf16
 
 def evaluate_heads(model_spec: str, repos: Sequence[str | Path] = (), *, tokens: int = 8192, seq_len: int = 1024,
                    prompts: int = 4, prompt_len: int = 256, new_tokens: int = 128,
-                   include: Sequence[str] = ("**/*.py",), device: str = "cpu", dtype: str = "auto") -> dict[str, Any]:
-    """Both acceptance measures of the heads in `model_spec` (see the module docstring)."""
+                   include: Sequence[str] = ("**/*.py",), device: str = "cpu", dtype: str = "auto",
+                   draft_vocab: int | None = None) -> dict[str, Any]:
+    """Both acceptance measures of the heads in `model_spec` (see the module docstring). The heads
+    draft from the first `draft_vocab` ids (None: those mtp.json says they were distilled on; 0: the
+    whole vocabulary), as an engine that drafts from them would."""
     model_dir = resolve_model_path(model_spec)
     model, tokenizer = load_model_and_tokenizer(str(model_dir), device)
     heads = load_mtp_heads(model_dir, model)
@@ -48,12 +53,14 @@ def evaluate_heads(model_spec: str, repos: Sequence[str | Path] = (), *, tokens:
     compute = _compute_dtype(dtype, device)
     model.to(compute)
     heads.to(compute)
-    policy = MTPPolicyHead(model, heads, "frozen").eval()
+    vocab = heads.draft_vocab if draft_vocab is None else (draft_vocab or None)
+    policy = MTPPolicyHead(model, heads, "frozen", vocab=vocab).eval()
     with torch.no_grad():
         text = _acceptance(policy, _rows(ids[:tokens], seq_len), skip=1, device=device)
         greedy = _greedy(policy, ids, prompts, prompt_len, new_tokens, device)
     return {"model": str(model_dir), "heads": len(heads), "tokens_seen": heads.tokens_seen,
-            "dtype": str(compute).removeprefix("torch."), "repos": repos, "training": heads.info,
+            "dtype": str(compute).removeprefix("torch."), "draft_vocab": vocab, "repos": repos,
+            "training": heads.info,
             "text": {**text, "tokens": min(tokens, len(ids))}, "greedy": greedy}
 
 

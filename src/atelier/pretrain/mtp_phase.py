@@ -46,6 +46,7 @@ def open_heads(config: MTPConfig, model, source: Path) -> tuple[MTPHeads | None,
                        hint=f"set mtp.heads = {len(loaded)} to keep training them, or start from a model "
                             "without heads (delete its mtp.json and mtp.safetensors)")
     heads = loaded if loaded is not None else MTPHeads(model, config.heads, config.init)
+    heads.draft_vocab = config.draft_vocab
     heads.info = {**heads.info, "trunk": config.trunk, "init": heads.info.get("init", config.init)}
     return heads, None
 
@@ -55,7 +56,7 @@ def policy_head(model, heads: MTPHeads | None, config: MTPConfig, logprob_chunk:
         return PolicyHead(model, logprob_chunk)
     if config.trunk == "frozen":
         model.requires_grad_(False)
-    return MTPPolicyHead(model, heads, config.trunk, logprob_chunk, config.chunk)
+    return MTPPolicyHead(model, heads, config.trunk, logprob_chunk, config.chunk, config.draft_vocab)
 
 
 def param_groups(head, config: MTPConfig) -> list[dict[str, Any]]:
