@@ -1,0 +1,44 @@
+"""experiments/mtp_attach at smoke scale: a tiny model, a few steps, two arms, the results file it writes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+EXPERIMENT = Path(__file__).resolve().parents[2] / "experiments" / "mtp_attach"
+
+
+def _load_run():
+    spec = importlib.util.spec_from_file_location("mtp_attach_run", EXPERIMENT / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+run = _load_run()
+
+
+def test_arm_recipes_change_only_what_the_arm_names(tmp_path) -> None:
+    from atelier.compat import tomllib
+
+    base = tomllib.loads(run.RECIPE.read_text())
+    joint = run.arm_recipe(base, run.ARMS["joint"], False, tmp_path)
+    assert joint["mtp"]["trunk"] == "joint" and joint["phases"][0]["lr"] == 2e-5
+    assert joint["phases"][0]["steps"] == round(base["phases"][0]["steps"] / 2)
+    full = run.arm_recipe(base, run.ARMS["full-vocab"], False, tmp_path)
+    assert "draft_vocab" not in full["mtp"] and base["mtp"]["draft_vocab"] == 8192
+    assert run.arm_recipe(base, run.ARMS["frozen"], False, tmp_path) == base
+
+
+def test_smoke_run_writes_results_and_a_plot(tmp_path) -> None:
+    run.main(["--out", str(tmp_path), "--smoke", "--arms", "frozen,joint", "--eval-tokens", "256"])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert set(results["arms"]) == {"frozen", "joint"}
+    for arm in results["arms"].values():
+        assert arm["tokens"] == arm["eval"]["tokens_seen"] > 0
+        assert [p["step"] for p in arm["history"]][-1] == arm["steps"]
+        assert all(p["train_s"] > 0 for p in arm["history"])
+        assert 1.0 <= arm["eval"]["greedy"]["mean_accepted_length"] <= 4.0
+    assert results["arms"]["joint"]["recipe"]["mtp"]["trunk"] == "joint"
+    assert (tmp_path / "mtp_attach.png").stat().st_size > 0
