@@ -110,3 +110,13 @@ def test_a_commands_own_help_wraps_only_at_the_width(path, command) -> None:
     paragraphs = "\n".join(line.strip() for line in body).strip().split("\n\n")
     early = [line for p in paragraphs for line in _breaks_early(p.splitlines(), 80 - 2)]   # rich pads 1 a side
     assert not early, f"broken mid-sentence in `{' '.join(path)} --help`: {early}"
+
+
+@pytest.mark.parametrize("path, command", COMMANDS + RUNNABLE_GROUPS, ids=lambda v: " ".join(v)
+                         if isinstance(v, tuple) else "")
+def test_no_help_text_holds_what_the_terminal_would_take_for_markup(path, command) -> None:
+    """Rich reads `[name]` as a style tag and prints nothing for it (an "[mtp] section" showed as
+    " section"); help says "the mtp table" instead."""
+    texts = [command.help or "", *(getattr(p, "help", None) or "" for p in command.params)]
+    tags = [t for text in texts for t in re.findall(r"\[[a-z][a-z0-9_.-]*\]", text)]
+    assert not tags, f"{' '.join(path)}: {tags}"

@@ -16,7 +16,7 @@ from atelier.cli.options import SET_HELP
 
 
 def base_eval_cmd(
-    recipe: Optional[Path] = typer.Argument(None, help="A TOML recipe of base-eval options (the [evals] table "
+    recipe: Optional[Path] = typer.Argument(None, help="A TOML recipe of base-eval options (the evals table "
                                             "of a pretrain recipe, at its top level)."),
     model: str = typer.Option(..., "--model", help="A Hugging Face model directory or a known model name."),
     repos: List[Path] = typer.Option([], "--repo", help="A held-out repository (repeat for several)."),

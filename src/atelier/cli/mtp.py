@@ -24,7 +24,7 @@ mtp_app = typer.Typer(help="Multi-token-prediction heads: attach them to a model
 
 @mtp_app.command("attach")
 def attach(
-    recipe: Optional[Path] = typer.Argument(None, help="A pretrain recipe with an [mtp] section and "
+    recipe: Optional[Path] = typer.Argument(None, help="A pretrain recipe with an mtp table and "
                                             "mtp.trunk = \"frozen\" (recipes/mtp-attach-smollm2.toml)."),
     out: Path = typer.Option(..., "--out", help="The model directory to write: the base model's files "
                              "linked, mtp.safetensors and mtp.json beside them."),
