@@ -18,7 +18,21 @@ from __future__ import annotations
 
 import typer
 
-from atelier.cli import agent, base_eval, eval, models, pretrain, rank, report, run, sandbox, serve, tasks, train
+from atelier.cli import (
+    agent,
+    base_eval,
+    eval,
+    models,
+    pretrain,
+    rank,
+    report,
+    run,
+    sandbox,
+    serve,
+    simulate,
+    tasks,
+    train,
+)
 
 app = typer.Typer(
     name="atelier",
@@ -38,6 +52,7 @@ app.command("report")(report.report_cmd)
 app.add_typer(models.models_app, name="models")
 app.add_typer(tasks.tasks_app, name="tasks")
 app.add_typer(sandbox.sandbox_app, name="sandbox")
+app.add_typer(simulate.simulate_app, name="simulate")
 app.command("rank", hidden=True)(rank.rank_cmd)
 
 
