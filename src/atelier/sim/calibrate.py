@@ -179,12 +179,17 @@ class EngineFit:
     prefill_s_per_token: float
     decode_step_s: float
     decode_step_s_per_seq: float
+    warmup_s: float
     calls: int
     r2: float
 
 
 def fit_engine(trajectories: list[dict[str, Any]], prefix_cache: bool) -> EngineFit:
-    """Each call's seconds against [1, uncached context, sampled, sampled x calls beside it]."""
+    """Each call's seconds against [1, uncached context, sampled, sampled x calls beside it].
+
+    The calls in flight while the run's first call ran are left out of the fit: the engine's first
+    steps build its kernels (`torch.compile`, a server's graphs). What they took beyond the fit is
+    `warmup_s`, a one-off pause of the engine at its first call."""
     rows, intervals = [], []
     for traj in trajectories:
         cached = 0
@@ -195,17 +200,23 @@ def fit_engine(trajectories: list[dict[str, Any]], prefix_cache: bool) -> Engine
     if len(rows) < 4:
         raise CalibrationError("too few model calls with timings to fit the engine (fewer than 4)",
                                hint="calibrate on a run of a few steps")
+    spans = np.array(intervals)
     y = np.array([r[0] for r in rows])
     new = np.array([r[1] for r in rows], dtype=float)
     sampled = np.array([r[2] for r in rows], dtype=float)
-    b = mean_concurrency(np.array(intervals))
+    b = mean_concurrency(spans)
     X = np.column_stack([np.ones(len(y)), new, sampled, sampled * b])
-    coef = nonnegative_fit(X, y)
+    warm = spans[:, 0] < spans[:, 1].min()
+    fit = ~warm if (~warm).sum() >= 4 else np.ones(len(y), dtype=bool)
+    coef = nonnegative_fit(X[fit], y[fit])
     if coef[2] + coef[3] <= 0:   # no token cost found: spread the calls' time over their tokens
-        coef[2] = float(y.sum() / max(sampled.sum(), 1))
-    resid = y - X @ coef
-    r2 = 1 - float((resid ** 2).sum()) / max(float(((y - y.mean()) ** 2).sum()), 1e-12)
-    return EngineFit(float(coef[0]), float(coef[1]), max(float(coef[2]), 1e-6), float(coef[3]), len(y), r2)
+        coef[2] = float(y[fit].sum() / max(sampled[fit].sum(), 1))
+    resid = y[fit] - X[fit] @ coef
+    r2 = 1 - float((resid ** 2).sum()) / max(float(((y[fit] - y[fit].mean()) ** 2).sum()), 1e-12)
+    first = int(np.argmin(spans[:, 0]))
+    warmup = max(float(y[first] - X[first] @ coef), 0.0) if fit[first] == False else 0.0  # noqa: E712
+    return EngineFit(float(coef[0]), float(coef[1]), max(float(coef[2]), 1e-6), float(coef[3]), warmup,
+                     int(fit.sum()), r2)
 
 
 @dataclass

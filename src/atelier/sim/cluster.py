@@ -75,6 +75,8 @@ class InferenceSpec(AtelierConfig):
     prefix_cache: bool = True
     """A rollout's earlier context is reused by its next call on the same replica, until a weight
     swap clears the cache (as both engines do)."""
+    warmup_s: float = Field(0.0, ge=0)
+    """A one-off pause at a replica's first call (kernels built on the first steps)."""
     swap_s: float = Field(0.0, ge=0)
     """The pause of a weight swap: every sequence on the replica waits."""
     restart_s: float = Field(60.0, ge=0)

@@ -55,6 +55,7 @@ class Replica:
     held: int = 0                  # the weights' step it serves
     epoch: int = 0                 # bumped by every swap and restart: cached prefixes older than it are gone
     placed: int = 0                # rollouts placed on it
+    warm: bool = False             # its first call paid the warm-up
 
 
 @dataclass
@@ -170,6 +171,9 @@ class Pipeline:
     def _model_call(self, replica: Replica, turn: Turn, cached: int, latency: float):
         inf = self.cfg.inference
         yield self.env.timeout(2 * latency + inf.call_s)
+        if not replica.warm and inf.warmup_s:
+            replica.server.stall(inf.warmup_s)
+        replica.warm = True
         new = max(0, turn.context - cached)
         if new and inf.prefill_s_per_token and replica.server.up:
             replica.server.stall(new * inf.prefill_s_per_token)

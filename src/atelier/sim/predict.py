@@ -62,7 +62,7 @@ class Calibration:
                 "shutdown_s": round(self.shutdown_s, 3),
                 "engine_fit": {"calls": e.calls, "r2": round(e.r2, 3), "call_s": e.call_s,
                                "prefill_s_per_token": e.prefill_s_per_token, "decode_step_s": e.decode_step_s,
-                               "decode_step_s_per_seq": e.decode_step_s_per_seq},
+                               "decode_step_s_per_seq": e.decode_step_s_per_seq, "warmup_s": e.warmup_s},
                 "trainer_fit": {"step_fixed_s": t.step_fixed_s, "step_s_per_position": t.step_s_per_position},
                 "step_overhead_s": self.step_overhead_s, "checkpoint_s": self.checkpoint_s, "swap_s": self.swap_s,
                 "sync": {"kind": self.sync_kind, "full_bytes": self.full_bytes, "delta_bytes": self.delta_bytes,
@@ -129,7 +129,7 @@ def cluster_for(config: TrainConfig, cal: Calibration, faults: Sequence[FaultSpe
     inference = InferenceSpec(
         max_batch=max(8, config.rollout.workers), kv_tokens=config.rollout.kv_cache_tokens if cal.engine_kind != "vllm"
         else 0, decode_step_s=e.decode_step_s, decode_step_s_per_seq=e.decode_step_s_per_seq,
-        prefill_s_per_token=e.prefill_s_per_token, call_s=e.call_s,
+        prefill_s_per_token=e.prefill_s_per_token, call_s=e.call_s, warmup_s=e.warmup_s,
         prefix_cache=cal.engine_kind == "vllm" or config.rollout.prefix_cache_tokens > 0,
         swap_s=cal.swap_s, restart_s=cal.startup_s)
     trainer = TrainerSpec(
@@ -144,6 +144,7 @@ def cluster_for(config: TrainConfig, cal: Calibration, faults: Sequence[FaultSpe
         "trainer.startup_s", "trainer.shutdown_s", "trainer.step_fixed_s", "trainer.step_s_per_position",
         "trainer.step_overhead_s", "trainer.checkpoint_s", "trainer.grad_bytes", "inference.decode_step_s",
         "inference.decode_step_s_per_seq", "inference.prefill_s_per_token", "inference.call_s", "inference.swap_s",
+        "inference.warmup_s",
         "sync.full_bytes", "sync.delta_bytes", "sync.publish_fixed_s", "sync.upload_bytes_per_s", "workload.run_dir")}
     sources["inference.restart_s"] = f"measured: {cal.run_dir.name}'s start-up (the engine's start)"
     sources["trainer.restart_s"] = f"measured: {cal.run_dir.name}'s start-up"
