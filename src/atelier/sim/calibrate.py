@@ -22,6 +22,7 @@ publish rate, the swap, and the per-step overheads (what the busy time leaves un
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -261,3 +262,26 @@ def measured_figures(run: RunRecord) -> RunFigures:
     wall = run.summary["wall_s"] if run.summary else run.rows[-1]["wall_s"]
     return figures(steps, wall_s=wall, rollouts=sum(r["rollouts"] for r in run.rows),
                    failures=sum(r["rollout_failures"] for r in run.rows))
+
+
+_VLLM_STAMP = re.compile(r"(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d)")
+
+
+def server_start_s(run: RunRecord) -> float | None:
+    """How long the run's vLLM server took to start: its log's first time stamp to the first
+    "Application startup complete" (None without a vLLM log)."""
+    log = run.path / "vllm" / "vllm-server.log"
+    if not log.is_file():
+        return None
+    first = ready = None
+    for line in log.read_text(errors="replace").splitlines():
+        m = _VLLM_STAMP.search(line)
+        if m is None:
+            continue
+        d, h, mi, sec = int(m.group(2)), int(m.group(3)), int(m.group(4)), int(m.group(5))
+        t = ((d * 24 + h) * 60 + mi) * 60 + sec
+        first = t if first is None else first
+        if "Application startup complete" in line:
+            ready = t
+            break
+    return None if first is None or ready is None else float(ready - first)

@@ -25,6 +25,7 @@ from atelier.sim.calibrate import (
     group_profiles,
     median,
     read_run,
+    server_start_s,
     slot_histories,
 )
 from atelier.sim.cluster import FaultSpec, InferenceSpec, SandboxSpec, SimConfig, SyncSpec, TrainerSpec
@@ -54,10 +55,13 @@ class Calibration:
     publish_fixed_s: float
     upload_bytes_per_s: float
     grad_bytes: float
+    server_start_s: float | None = None
+    """A vLLM server's start, read from the run's server log (None: the built-in engine)."""
 
     def describe(self) -> dict:
         e, t = self.engine, self.trainer
         return {"run_dir": str(self.run_dir), "engine": self.engine_kind, "groups": len(self.groups),
+                "server_start_s": self.server_start_s,
                 "rollouts": sum(len(g) for g in self.groups), "startup_s": round(self.startup_s, 3),
                 "shutdown_s": round(self.shutdown_s, 3),
                 "engine_fit": {"calls": e.calls, "r2": round(e.r2, 3), "call_s": e.call_s,
@@ -97,7 +101,7 @@ def calibrate(run_dir: str | Path) -> Calibration:
         delta_bytes=median(r["sync_bytes"] for r in kinds["delta"]),
         publish_fixed_s=median(r["sync_seconds"] for r in kinds["inprocess"]),
         upload_bytes_per_s=moved / seconds / cfg.trainer.ranks if seconds else 0.0,
-        grad_bytes=_model_bytes(run))
+        grad_bytes=_model_bytes(run), server_start_s=server_start_s(run))
 
 
 def _full_file_bytes(run: RunRecord) -> float:
@@ -131,7 +135,7 @@ def cluster_for(config: TrainConfig, cal: Calibration, faults: Sequence[FaultSpe
         else 0, decode_step_s=e.decode_step_s, decode_step_s_per_seq=e.decode_step_s_per_seq,
         prefill_s_per_token=e.prefill_s_per_token, call_s=e.call_s, warmup_s=e.warmup_s,
         prefix_cache=cal.engine_kind == "vllm" or config.rollout.prefix_cache_tokens > 0,
-        swap_s=cal.swap_s, restart_s=cal.startup_s)
+        swap_s=cal.swap_s, restart_s=cal.server_start_s if cal.server_start_s is not None else cal.startup_s)
     trainer = TrainerSpec(
         ranks=t.ranks, startup_s=cal.startup_s, shutdown_s=cal.shutdown_s, step_fixed_s=cal.trainer.step_fixed_s,
         step_s_per_position=cal.trainer.step_s_per_position, grad_bytes=cal.grad_bytes,
@@ -146,7 +150,9 @@ def cluster_for(config: TrainConfig, cal: Calibration, faults: Sequence[FaultSpe
         "inference.decode_step_s_per_seq", "inference.prefill_s_per_token", "inference.call_s", "inference.swap_s",
         "inference.warmup_s",
         "sync.full_bytes", "sync.delta_bytes", "sync.publish_fixed_s", "sync.upload_bytes_per_s", "workload.run_dir")}
-    sources["inference.restart_s"] = f"measured: {cal.run_dir.name}'s start-up (the engine's start)"
+    sources["inference.restart_s"] = (f"measured: {cal.run_dir.name}'s vLLM server start (its log)"
+                                      if cal.server_start_s is not None else
+                                      f"measured: {cal.run_dir.name}'s start-up (the engine's start among it)")
     sources["trainer.restart_s"] = f"measured: {cal.run_dir.name}'s start-up"
     sources["trainer.collective_bytes_per_s"] = "assumed: gloo between processes of one host"
     sources["rollout"] = "the recipe"
