@@ -99,6 +99,9 @@ def sweep_cmd(
     shares: str = typer.Option("0.25,0.375,0.5,0.625,0.75", "--inference-share",
                                help="Fractions of the GPUs given to inference."),
     outage_s: float = typer.Option(600.0, "--outage-s", help="Length of the outages whose cost is simulated."),
+    groups_per_gpu: float = typer.Option(0.0, "--groups-per-gpu",
+                                         help="Grow the batch with the cluster: this many groups a step per GPU "
+                                              "(0: the file's groups_per_step)."),
     overrides: List[str] = typer.Option([], "--set", help=SET_HELP.format(example="steps=6")),
 ) -> None:
     """Throughput and staleness against the GPU split and the staleness bound, async over sync,
@@ -108,6 +111,7 @@ def sweep_cmd(
 
     report = run_sweep(cluster, out, overrides=overrides, gpus=parse_list(gpus, int, "--gpus"),
                        staleness=parse_list(staleness, int, "--staleness"),
-                       shares=parse_list(shares, float, "--inference-share"), outage_s=outage_s)
+                       shares=parse_list(shares, float, "--inference-share"), outage_s=outage_s,
+                       groups_per_gpu=groups_per_gpu)
     typer.echo(json.dumps(report["headline"], indent=1))
     typer.echo(f"wrote {out / 'sweep.json'} and {len(report['plots'])} plots", err=True)

@@ -26,16 +26,20 @@ from atelier.sim.predict import simulate
 from atelier.sim.results import RunFigures, write_json
 
 
-def with_split(base: SimConfig, gpus: int, inference_share: float) -> SimConfig | None:
+def with_split(base: SimConfig, gpus: int, inference_share: float, groups_per_gpu: float = 0.0) -> SimConfig | None:
     """`base` with `gpus` GPUs split so that about `inference_share` serve inference (None when one
-    side would get no whole rank or replica)."""
+    side would get no whole rank or replica); with `groups_per_gpu`, the batch grows with the
+    cluster (`rollout.groups_per_step` = that many groups per GPU, at least one)."""
     t, i = base.trainer, base.inference
     replicas = int(round(gpus * inference_share / i.gpus_per_replica))
     ranks = int((gpus - replicas * i.gpus_per_replica) // t.gpus_per_rank)
     if replicas < 1 or ranks < 1:
         return None
-    return base.model_copy(update={"trainer": t.model_copy(update={"ranks": ranks}),
-                                   "inference": i.model_copy(update={"replicas": replicas})})
+    cfg = base.model_copy(update={"trainer": t.model_copy(update={"ranks": ranks}),
+                                  "inference": i.model_copy(update={"replicas": replicas})})
+    if groups_per_gpu:
+        cfg = with_rollout(cfg, groups_per_step=max(1, round(groups_per_gpu * gpus)))
+    return cfg
 
 
 def with_rollout(base: SimConfig, **fields: Any) -> SimConfig:
@@ -51,13 +55,15 @@ def _row(cfg: SimConfig, fig: RunFigures, **keys: Any) -> dict[str, Any]:
             "staleness": fig.to_dict()["staleness"], "stops": fig.stops}
 
 
-def split_sweep(base: SimConfig, totals: Sequence[int], shares: Sequence[float]) -> list[dict[str, Any]]:
+def split_sweep(base: SimConfig, totals: Sequence[int], shares: Sequence[float],
+                groups_per_gpu: float = 0.0) -> list[dict[str, Any]]:
     rows = []
     for gpus in totals:
         for share in shares:
-            cfg = with_split(base, gpus, share)
+            cfg = with_split(base, gpus, share, groups_per_gpu)
             if cfg is not None:
-                rows.append(_row(cfg, simulate(cfg).figures, gpus=gpus, inference_share=share))
+                rows.append(_row(cfg, simulate(cfg).figures, gpus=gpus, inference_share=share,
+                                 groups_per_step=cfg.rollout.groups_per_step))
     return rows
 
 
@@ -97,28 +103,28 @@ def outage_costs(base: SimConfig, outage_s: float) -> list[dict[str, Any]]:
 
 def run_sweep(cluster: Path, out: Path, *, overrides: Sequence[str] = (), gpus: Sequence[int] = (),
               staleness: Sequence[int] = (0, 1, 2, 4), shares: Sequence[float] = (0.25, 0.5, 0.75),
-              outage_s: float = 600.0) -> dict[str, Any]:
+              outage_s: float = 600.0, groups_per_gpu: float = 0.0) -> dict[str, Any]:
     base = load_config(SimConfig, cluster, overrides)
     own = base.trainer.ranks * base.trainer.gpus_per_rank + base.inference.replicas * base.inference.gpus_per_replica
     totals = list(gpus) or [own]
-    split = split_sweep(base, totals, shares)
+    split = split_sweep(base, totals, shares, groups_per_gpu)
     if not split:
         raise ValueError("no split of the GPUs asked for gives both sides a whole rank and replica")
     bests = {g: best_split(split, g) for g in totals if any(r["gpus"] == g for r in split)}
     speedups = {}
     for g, best in bests.items():
-        cfg = with_split(base, g, best["inference_share"])
+        cfg = with_split(base, g, best["inference_share"], groups_per_gpu)
         sync = simulate(with_rollout(cfg, mode="sync")).figures
         speedups[g] = round(best["samples_per_s"] / sync.steady_samples_per_s, 3) if sync.steady_samples_per_s else None
-    first = with_split(base, totals[0], bests[totals[0]]["inference_share"])
+    first = with_split(base, totals[0], bests[totals[0]]["inference_share"], groups_per_gpu)
     stale = staleness_sweep(first, staleness)
     outages = outage_costs(base, outage_s)
     out.mkdir(parents=True, exist_ok=True)
     plots = [plot_split(split, out / "split.png", base.name), plot_staleness(stale, out / "staleness.png", base.name),
              plot_speedup(speedups, out / "speedup.png", base.name),
              plot_outages(outages, out / "outages.png", base.name)]
-    headline = {"cluster": base.name, "best_split": {str(g): {k: b[k] for k in ("inference_share", "ranks", "replicas",
-                                                                                  "samples_per_s")}
+    keep = ("inference_share", "ranks", "replicas", "groups_per_step", "samples_per_s", "mean_staleness")
+    headline = {"cluster": base.name, "best_split": {str(g): {k: b[k] for k in keep}
                                                      for g, b in bests.items()},
                 "async_over_sync": {str(g): s for g, s in speedups.items()},
                 "outage_extra_wall_s": {r["outage"]: r["extra_wall_s"] for r in outages if r["outage"] != "none"}}
