@@ -16,7 +16,7 @@ The families (what is calibrated on what):
   prediction is told: its time; the restart's length is the calibration run's start-up);
 - demo: the demo's RL stage (`recipes/demo.toml`'s [rl], its agent, SmolLM2-135M) on 8 funcy
   2.0 mutation tasks of the atelier-bench suite, from the base model (the demo starts RL from
-  its SFT checkpoint) and over 2 steps (the demo runs 4); calibrated on the stage in sync mode,
+  its SFT checkpoint), its 4 steps; calibrated on the stage in sync mode,
   predicts it in its own async mode.
 
     python benchmarks/simulate_validation.py [--runs DIR] [--families tiny,vllm,demo] [--save]
@@ -112,8 +112,8 @@ def families(runs: Path, chosen: set[str], suite: Path) -> list[dict]:
         out.append({"family": "vllm", "calibration": ("vllm", tiny, VLLM),
                     "targets": [("vllm-server-killed", tiny, VLLM)], "kill": "vllm-server-killed"})
     if "demo" in chosen:
-        out.append({"family": "demo", "calibration": ("demo-rl-sync", demo_recipe(runs, suite, "sync", 2), []),
-                    "targets": [("demo-rl-async", demo_recipe(runs, suite, "async", 2), [])]})
+        out.append({"family": "demo", "calibration": ("demo-rl-sync", demo_recipe(runs, suite, "sync", 4), []),
+                    "targets": [("demo-rl-async", demo_recipe(runs, suite, "async", 4), [])]})
     return out
 
 

@@ -122,3 +122,26 @@ def test_kv_capacity_holds_a_call_that_does_not_fit():
     env.process(job(40))
     env.run()
     assert ends == [(80, 3.0), (40, 6.0)]
+
+
+def test_servers_sharing_cores_slow_each_other_only_while_both_are_busy():
+    """Two cores, a trainer keeping 2 busy and an engine 1: together each runs at 2/3."""
+    from atelier.sim.fluid import Cores
+
+    env = simpy.Environment()
+    trainer, engine = SharedServer(env, lambda n: 1.0), SharedServer(env, lambda n: 1.0)
+    cores = Cores(2)
+    cores.add(trainer, 2)
+    cores.add(engine, 1)
+    ends = {}
+
+    def run(name, server, start, work):
+        yield env.timeout(start)
+        yield server.submit(work)
+        ends[name] = env.now
+
+    env.process(run("trainer", trainer, 0.0, 2.0))
+    env.process(run("engine", engine, 1.0, 2.0))
+    env.run()
+    # trainer: 1 s alone, then its last unit at 2/3 (1.5 s); the engine did 1 unit meanwhile, 1 more alone
+    assert ends == pytest.approx({"trainer": 2.5, "engine": 3.5})

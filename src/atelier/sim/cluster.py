@@ -83,6 +83,18 @@ class InferenceSpec(AtelierConfig):
     """A killed replica back up (a server start); it then loads the newest weights."""
 
 
+class HostSpec(AtelierConfig):
+    """One machine whose CPU cores the trainer and the engine share (a laptop, a CPU box)."""
+
+    cores: float = Field(0.0, ge=0)
+    """0: trainer and inference have their own hardware. Otherwise, while a training step and a
+    decoding engine together keep more than `cores` busy, both run at `cores` / their demand."""
+    trainer_cores: float = Field(1.0, gt=0)
+    """Cores a training step keeps busy (its threads, times the ranks on this machine)."""
+    engine_cores: float = Field(1.0, gt=0)
+    """Cores a decoding engine keeps busy."""
+
+
 class SandboxSpec(AtelierConfig):
     """Environment hosts: placement, admission by pressure, the environment's time."""
 
@@ -185,6 +197,7 @@ class SimConfig(AtelierConfig):
     trainer: TrainerSpec = Field(default_factory=TrainerSpec)
     inference: InferenceSpec = Field(default_factory=InferenceSpec)
     sandboxes: SandboxSpec = Field(default_factory=SandboxSpec)
+    host: HostSpec = Field(default_factory=HostSpec)
     sync: SyncSpec = Field(default_factory=SyncSpec)
     workload: WorkloadSpec = Field(default_factory=WorkloadSpec)
     links: list[LinkSpec] = Field(default_factory=list)

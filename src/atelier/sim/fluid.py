@@ -12,6 +12,8 @@ Events only at arrivals, completions, stalls and outages, never per token: a vir
 finishes when `V` reaches its start mark plus its work, so a heap of finish marks gives the
 next completion. A *stall* stops every job (a prefill on the engine, a weight swap); an
 *outage* fails every running job with `ServerDown` and holds new ones until the server is up.
+`set_speed(s)` scales every rate by `s` from now on (a CPU shared with other work: `Cores`), and
+`on_busy(callback)` is told whenever the server goes from idle to busy or back.
 
 Version marks: `mark(version)` records that from now on the work done is of `version` (the
 weights swapped in); a finished job reports how much of its work fell under each version, the
@@ -60,6 +62,8 @@ class SharedServer:
         self._seq = itertools.count()
         self._stall_until = env.now
         self.up = True
+        self.speed = 1.0
+        self._busy_callbacks: list[Callable[[], None]] = []
         self._marks_v: list[float] = [0.0]
         self._marks_version: list[int] = [version]
         self._wake = env.event()
@@ -110,6 +114,18 @@ class SharedServer:
         self._poke()
         return failed
 
+    def set_speed(self, speed: float) -> None:
+        self._advance()
+        self.speed = speed
+        self._poke()
+
+    def on_busy(self, callback: Callable[[], None]) -> None:
+        self._busy_callbacks.append(callback)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._heap) and self.up
+
     def restore(self) -> None:
         self._advance()
         self.up = True
@@ -124,7 +140,7 @@ class SharedServer:
         now = self.env.now
         productive = now - max(self._last, self._stall_until)
         if productive > 0 and self._heap and self.up:
-            self.V += productive * self.rate(len(self._heap))
+            self.V += productive * self.rate(len(self._heap)) * self.speed
             self.busy_time += productive
         self._last = now
 
@@ -163,15 +179,42 @@ class SharedServer:
         return out
 
     def _run(self):
+        was_busy = False
         while True:
             self._advance()
             self._complete()
             self._admit()
             self._complete()   # jobs of no work finish at once
+            if self.busy != was_busy:
+                was_busy = self.busy
+                for callback in self._busy_callbacks:
+                    callback()
             self._wake = self.env.event()
             if self._heap and self.up:
                 left = self._heap[0][0] - self.V
-                delay = max(self._stall_until - self.env.now, 0.0) + max(left, 0.0) / self.rate(len(self._heap))
+                rate = self.rate(len(self._heap)) * self.speed
+                delay = max(self._stall_until - self.env.now, 0.0) + max(left, 0.0) / rate
                 yield self.env.timeout(delay) | self._wake
             else:
                 yield self._wake
+
+
+class Cores:
+    """A machine's CPU cores shared by servers that each keep `demand` cores busy while busy
+    (a trainer rank's threads, an engine's): while their busy demands exceed `cores`, every busy
+    one runs at `cores / demand` of its speed (the laptop's trainer and engine on 2 cores)."""
+
+    def __init__(self, cores: float) -> None:
+        self.cores = cores
+        self.members: list[tuple[SharedServer, float]] = []
+
+    def add(self, server: SharedServer, demand: float) -> None:
+        self.members.append((server, demand))
+        server.on_busy(self._rebalance)
+
+    def _rebalance(self) -> None:
+        demand = sum(d for server, d in self.members if server.busy)
+        speed = min(1.0, self.cores / demand) if demand > 0 else 1.0
+        for server, _ in self.members:
+            if server.speed != speed:
+                server.set_speed(speed)

@@ -36,7 +36,7 @@ from atelier.rl.chain import FULL, chain_reads, publish_kind
 from atelier.sandbox.pool import least_loaded
 from atelier.sandbox.pressure import CpuPressure, admission_wait_reason
 from atelier.sim.cluster import SimConfig
-from atelier.sim.fluid import ServerDown, SharedServer
+from atelier.sim.fluid import Cores, ServerDown, SharedServer
 from atelier.sim.results import SimResult, StepRecord
 from atelier.sim.state import SimLedger, SimSlot
 from atelier.sim.workload import Turn, Workload
@@ -98,6 +98,12 @@ class Pipeline:
         cores = cfg.sandboxes.cores_per_host
         self.hosts = [Host(SharedServer(self.env, (lambda n, c=cores: min(1.0, c / n))) if cores else None,
                            cfg.host_region(i), down=self.env.event()) for i in range(cfg.sandboxes.hosts)]
+        self.trainer_cpu = SharedServer(self.env, lambda n: 1.0)
+        if cfg.host.cores:
+            cores = Cores(cfg.host.cores)
+            cores.add(self.trainer_cpu, cfg.host.trainer_cores)
+            for r in self.replicas:
+                cores.add(r.server, cfg.host.engine_cores)
         self._turn = {"replica": 0, "host": 0}
         self._changed = self.env.event()
         self._trainer = self.env.process(self._trainer_lives())
@@ -252,7 +258,7 @@ class Pipeline:
             for s in slots:
                 for version, tokens in s.versions.items():
                     stale[ledger.version - version] += tokens
-            yield self.env.timeout(self._train_s(sum(s.profile.length for s in slots)))
+            yield self.trainer_cpu.submit(self._train_s(sum(s.profile.length for s in slots)))
             t = self.cfg.trainer
             if step % t.checkpoint_every == 0:
                 yield self.env.timeout(t.checkpoint_s)

@@ -11,6 +11,7 @@ it (a server's start) and is marked assumed where it does not.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -28,7 +29,7 @@ from atelier.sim.calibrate import (
     server_start_s,
     slot_histories,
 )
-from atelier.sim.cluster import FaultSpec, InferenceSpec, SandboxSpec, SimConfig, SyncSpec, TrainerSpec
+from atelier.sim.cluster import FaultSpec, HostSpec, InferenceSpec, SandboxSpec, SimConfig, SyncSpec, TrainerSpec
 from atelier.sim.pipeline import Pipeline
 from atelier.sim.results import SimResult
 from atelier.sim.workload import GroupProfile, ParametricWorkload, ReplayedWorkload
@@ -57,6 +58,8 @@ class Calibration:
     grad_bytes: float
     server_start_s: float | None = None
     """A vLLM server's start, read from the run's server log (None: the built-in engine)."""
+    cores: int = 0
+    """CPU cores of the machine the run ran on (taken as the one calibrating), 0 on GPUs."""
 
     def describe(self) -> dict:
         e, t = self.engine, self.trainer
@@ -101,7 +104,8 @@ def calibrate(run_dir: str | Path) -> Calibration:
         delta_bytes=median(r["sync_bytes"] for r in kinds["delta"]),
         publish_fixed_s=median(r["sync_seconds"] for r in kinds["inprocess"]),
         upload_bytes_per_s=moved / seconds / cfg.trainer.ranks if seconds else 0.0,
-        grad_bytes=_model_bytes(run), server_start_s=server_start_s(run))
+        grad_bytes=_model_bytes(run), server_start_s=server_start_s(run),
+        cores=0 if cfg.trainer.device == "cuda" else os.cpu_count() or 1)
 
 
 def _full_file_bytes(run: RunRecord) -> float:
@@ -141,6 +145,10 @@ def cluster_for(config: TrainConfig, cal: Calibration, faults: Sequence[FaultSpe
         step_s_per_position=cal.trainer.step_s_per_position, grad_bytes=cal.grad_bytes,
         collective_bytes_per_s=COLLECTIVE_BYTES_PER_S, step_overhead_s=cal.step_overhead_s,
         checkpoint_every=t.checkpoint_every, checkpoint_s=cal.checkpoint_s, restart_s=cal.startup_s)
+    host = HostSpec()
+    if cal.cores and config.trainer.device != "cuda":
+        host = HostSpec(cores=cal.cores, trainer_cores=min(cal.cores, t.threads * t.ranks),
+                        engine_cores=cal.cores if cal.engine_kind == "vllm" else 1.0)
     sync = SyncSpec(kind=config.sync.kind, full_every=config.sync.full_every, full_bytes=cal.full_bytes,
                     delta_bytes=cal.delta_bytes, publish_fixed_s=cal.publish_fixed_s,
                     upload_bytes_per_s=cal.upload_bytes_per_s)
@@ -156,9 +164,14 @@ def cluster_for(config: TrainConfig, cal: Calibration, faults: Sequence[FaultSpe
     sources["trainer.restart_s"] = f"measured: {cal.run_dir.name}'s start-up"
     sources["trainer.collective_bytes_per_s"] = "assumed: gloo between processes of one host"
     sources["rollout"] = "the recipe"
+    if host.cores:
+        sources["host.cores"] = "measured: this machine's cores (the calibration run's, taken as the same)"
+        sources["host.engine_cores"] = "assumed: the built-in engine drops to one thread when contended; vLLM's " \
+                                       "CPU workers keep every core"
+        sources["host.trainer_cores"] = "the recipe: trainer.threads x trainer.ranks"
     return SimConfig(name=f"{config.rollout.mode} run calibrated on {cal.run_dir.name}", seed=config.seed, steps=steps,
                      tasks=tasks, rollout=config.rollout, trainer=trainer, inference=inference,
-                     sandboxes=SandboxSpec(), sync=sync, faults=list(faults), sources=sources,
+                     sandboxes=SandboxSpec(), host=host, sync=sync, faults=list(faults), sources=sources,
                      workload={"run_dir": str(cal.run_dir)})
 
 
