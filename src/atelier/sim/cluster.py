@@ -189,7 +189,8 @@ class SimConfig(AtelierConfig):
     steps: int = Field(10, ge=1)
     """Optimizer steps to simulate (each trains `rollout.groups_per_step` groups)."""
     tasks: int = Field(0, ge=0)
-    """Tasks in the epoch (a task is admitted once); 0: as many as the steps need."""
+    """Tasks in the epoch (a task is admitted once); 0: as many as the steps need (at most 20
+    times as many groups as the steps train, so that a run whose groups are all dropped ends)."""
     resume_after_stop_s: float = -1.0
     """When the failure breaker stops the run: restart it after this many seconds (a supervisor's
     `atelier train` again); negative: the run stays stopped, as `atelier train` leaves it."""

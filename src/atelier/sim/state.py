@@ -78,7 +78,10 @@ class SimLedger:
         return [g for g in self.groups if g.untrained()]
 
     def tasks_left(self) -> bool:
-        return not self.tasks or len(self.groups) < self.tasks
+        """Tasks not admitted yet; an epoch of unknown size holds 20 steps' worth per step asked
+        (so that a workload whose every group is dropped still ends)."""
+        epoch = self.tasks or 20 * self.steps * self.cfg.groups_per_step
+        return len(self.groups) < epoch
 
     def wants_group(self) -> bool:
         return self.tasks_left() and may_admit(len(self.untrained()), self.live_groups(), staleness=self.staleness,
