@@ -21,8 +21,8 @@ from atelier.cli.options import SET_HELP
 simulate_app = typer.Typer(help="Simulate the asynchronous RL pipeline, calibrated on real runs.",
                            no_args_is_help=True)
 
-FAULT_HELP = ("A fault, KIND:AT_S[:DURATION_S[:TARGET]] with KIND inference_down, sandbox_down or trainer_lost, "
-              "e.g. inference_down:120:90 (repeatable).")
+FAULT_HELP = ("A fault, KIND:AT_S[:DURATION_S[:TARGET]] with KIND inference_down, sandbox_down or trainer_lost "
+              "and AT_S seconds or stepK (once step K is written), e.g. inference_down:120:90 (repeatable).")
 
 
 def _faults(specs: List[str]):

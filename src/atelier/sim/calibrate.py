@@ -22,7 +22,6 @@ publish rate, the swap, and the per-step overheads (what the busy time leaves un
 from __future__ import annotations
 
 import json
-import re
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ import numpy as np
 
 from atelier.config import load_config
 from atelier.errors import AtelierError
+from atelier.inference.vllm_server import STARTED_IN
 from atelier.rl.config import TrainConfig
 from atelier.sim.results import RunFigures, StepRecord, figures
 from atelier.sim.workload import GroupProfile, RolloutProfile, Turn
@@ -264,24 +264,13 @@ def measured_figures(run: RunRecord) -> RunFigures:
                    failures=sum(r["rollout_failures"] for r in run.rows))
 
 
-_VLLM_STAMP = re.compile(r"(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d)")
-
-
 def server_start_s(run: RunRecord) -> float | None:
-    """How long the run's vLLM server took to start: its log's first time stamp to the first
-    "Application startup complete" (None without a vLLM log)."""
+    """How long the run's vLLM server took to start (to its first healthy answer), as the server's
+    log records it (`atelier.inference.vllm_server.STARTED_IN`); None without one."""
     log = run.path / "vllm" / "vllm-server.log"
     if not log.is_file():
         return None
-    first = ready = None
     for line in log.read_text(errors="replace").splitlines():
-        m = _VLLM_STAMP.search(line)
-        if m is None:
-            continue
-        d, h, mi, sec = int(m.group(2)), int(m.group(3)), int(m.group(4)), int(m.group(5))
-        t = ((d * 24 + h) * 60 + mi) * 60 + sec
-        first = t if first is None else first
-        if "Application startup complete" in line:
-            ready = t
-            break
-    return None if first is None or ready is None else float(ready - first)
+        if line.startswith(STARTED_IN):
+            return float(line[len(STARTED_IN):].split()[0])
+    return None

@@ -167,7 +167,11 @@ class WorkloadSpec(AtelierConfig):
 
 class FaultSpec(AtelierConfig):
     kind: Literal["inference_down", "sandbox_down", "trainer_lost"]
-    at_s: float = Field(ge=0)
+    at_s: float = Field(-1.0)
+    """When, from the run's start (negative: see `after_step`)."""
+    after_step: int = Field(0, ge=0)
+    """Or: once step k's metrics line is written, before its commit (where a test's `on_step`
+    callback runs)."""
     duration_s: float = Field(-1.0)
     """How long the component stays down; negative: the component's own restart time
     (`inference.restart_s`, `trainer.restart_s`). A sandbox outage needs it."""
@@ -178,6 +182,8 @@ class FaultSpec(AtelierConfig):
 
     @model_validator(mode="after")
     def _outage_has_a_length(self) -> "FaultSpec":
+        if (self.at_s < 0) == (self.after_step == 0):
+            raise ValueError("a fault needs exactly one of at_s (seconds from the start) and after_step")
         if self.kind == "sandbox_down" and self.duration_s < 0:
             raise ValueError("a sandbox_down fault needs duration_s (how long the hosts stay down)")
         return self

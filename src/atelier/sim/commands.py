@@ -24,12 +24,13 @@ class SimulateError(AtelierError):
 
 
 def parse_fault(text: str) -> FaultSpec:
-    """KIND:AT_S[:DURATION_S[:TARGET]] -> FaultSpec."""
+    """KIND:AT_S[:DURATION_S[:TARGET]] -> FaultSpec; AT_S may be `stepK` (once step K is written)."""
     parts = text.split(":")
     try:
         if not 2 <= len(parts) <= 4:
             raise ValueError("wrong number of fields")
-        fields: dict[str, Any] = {"kind": parts[0], "at_s": float(parts[1])}
+        when = ({"after_step": int(parts[1][4:])} if parts[1].startswith("step") else {"at_s": float(parts[1])})
+        fields: dict[str, Any] = {"kind": parts[0], **when}
         if len(parts) > 2:
             fields["duration_s"] = float(parts[2])
         if len(parts) > 3:
@@ -38,7 +39,8 @@ def parse_fault(text: str) -> FaultSpec:
     except (ValueError, ValidationError) as exc:
         raise SimulateError(f"--fault {text!r} is not a fault ({str(exc).splitlines()[0]})",
                             hint="write KIND:AT_S[:DURATION_S[:TARGET]], KIND one of inference_down, "
-                                 "sandbox_down, trainer_lost, e.g. --fault inference_down:120:90") from None
+                                 "sandbox_down, trainer_lost, AT_S seconds or stepK, e.g. --fault "
+                                 "inference_down:120:90 or --fault inference_down:step4") from None
 
 
 def parse_list(text: str, kind: Callable[[str], T], option: str) -> list[T]:

@@ -105,10 +105,12 @@ class Pipeline:
             for r in self.replicas:
                 cores.add(r.server, cfg.host.engine_cores)
         self._turn = {"replica": 0, "host": 0}
+        self._fired: list[int] = []      # steps whose after_step faults fired (a retrained step fires none)
         self._changed = self.env.event()
         self._trainer = self.env.process(self._trainer_lives())
         for fault in cfg.faults:
-            self.env.process(self._fault(fault))
+            if fault.at_s >= 0:
+                self.env.process(self._fault(fault))
 
     def run(self) -> SimResult:
         self.env.run(until=self._trainer)
@@ -266,6 +268,10 @@ class Pipeline:
             yield from self._publish(step)
             yield from self._swap_all(step)
             yield self.env.timeout(t.step_overhead_s)
+            for fault in self.cfg.faults:
+                if fault.after_step == step and step > len(self._fired):
+                    self._fired.append(step)
+                    self.env.process(self._fault(fault))
             ledger.commit(batch, step)
             clock.idle_s += idle
             clock.busy_s += self.env.now - began
@@ -322,7 +328,7 @@ class Pipeline:
 
     # -- faults -------------------------------------------------------------------------------
     def _fault(self, fault):
-        yield self.env.timeout(fault.at_s)
+        yield self.env.timeout(max(fault.at_s, 0.0))
         if fault.kind == "inference_down":
             down = fault.duration_s if fault.duration_s >= 0 else self.cfg.inference.restart_s
             replicas = _targets(self.replicas, fault)
