@@ -102,18 +102,24 @@ def demo_recipe(runs: Path, suite: Path, mode: str, steps: int) -> Path:
 
 
 def families(runs: Path, chosen: set[str], suite: Path) -> list[dict]:
-    """Each family: its calibration run, its predicted runs, each with how it was made."""
+    """Each family: a warm-up run (not measured: it fills the compile caches, so that every measured
+    run meets them warm, as any run after a machine's first does), its calibration run, its
+    predicted runs, each with how it was made."""
     tiny = ROOT / "recipes" / "rl-tiny.toml"
     out = []
     if "tiny" in chosen:
-        out.append({"family": "tiny", "calibration": ("tiny-async", tiny, TINY),
+        out.append({"family": "tiny", "warmup": ("tiny-warmup", tiny, [*TINY, "trainer.steps=2"]),
+                    "calibration": ("tiny-async", tiny, TINY),
                     "targets": [("tiny-sync", tiny, [*TINY, "rollout.mode=sync"]),
                                 ("tiny-2-ranks", tiny, [*TINY, "trainer.ranks=2"])]})
     if "vllm" in chosen:
-        out.append({"family": "vllm", "calibration": ("vllm", tiny, VLLM),
+        out.append({"family": "vllm", "warmup": ("vllm-warmup", tiny, [*VLLM, "trainer.steps=1"]),
+                    "calibration": ("vllm", tiny, VLLM),
                     "targets": [("vllm-server-killed", tiny, VLLM)], "kill": "vllm-server-killed"})
     if "demo" in chosen:
-        out.append({"family": "demo", "calibration": ("demo-rl-sync", demo_recipe(runs, suite, "sync", 4), []),
+        sync = demo_recipe(runs, suite, "sync", 4)
+        out.append({"family": "demo", "warmup": ("demo-rl-warmup", sync, ["trainer.steps=1"]),
+                    "calibration": ("demo-rl-sync", sync, []),
                     "targets": [("demo-rl-async", demo_recipe(runs, suite, "async", 4), [])]})
     return out
 
@@ -122,6 +128,7 @@ def measure_and_predict(runs: Path, family: dict) -> list[dict]:
     from atelier.sim.cluster import FaultSpec
     from atelier.sim.commands import check
 
+    train(runs / family["warmup"][0], *family["warmup"][1:])
     name, recipe, overrides = family["calibration"]
     train(runs / name, recipe, overrides)
     rows = []
