@@ -64,7 +64,7 @@ def test_the_calibrated_cluster_holds_what_the_run_measured(run_dir):
     calls = [c for t in run.trajectories.values() for c in t["timings"]["generate"]]
     first_end = min(start + seconds for start, seconds, *_ in calls)
     warm = [c for c in calls if c[0] < first_end]   # in flight during the first call: the warm-up, not fitted
-    assert cal.engine.calls == len(calls) - len(warm)
+    assert 4 <= cal.engine.calls <= len(calls) - len(warm)   # compile stalls left out too
     assert cal.engine.decode_step_s > 0 and cal.trainer.step_s_per_position + cal.trainer.step_fixed_s > 0
     cluster = cluster_for(run.config, cal)
     assert cluster.steps == STEPS and cluster.rollout == run.config.rollout

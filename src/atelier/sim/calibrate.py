@@ -161,6 +161,17 @@ def nonnegative_fit(X: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef
 
 
+def robust_fit(X: np.ndarray, y: np.ndarray, rounds: int = 20) -> np.ndarray:
+    """Least absolute deviations (iteratively reweighted least squares), coefficients >= 0: a few
+    calls slowed by something else (a trainer step on the same cores, a compile) move it little."""
+    coef = nonnegative_fit(X, y)
+    scale = max(float(np.median(np.abs(y))), 1e-9)
+    for _ in range(rounds):
+        w = 1.0 / np.sqrt(np.maximum(np.abs(y - X @ coef), 1e-3 * scale))
+        coef = nonnegative_fit(X * w[:, None], y * w)
+    return coef
+
+
 def mean_concurrency(intervals: np.ndarray) -> np.ndarray:
     """For each [start, end] row, the mean number of rows in progress during it (itself included)."""
     points = np.unique(intervals.ravel())
@@ -188,9 +199,11 @@ class EngineFit:
 def fit_engine(trajectories: list[dict[str, Any]], prefix_cache: bool) -> EngineFit:
     """Each call's seconds against [1, uncached context, sampled, sampled x calls beside it].
 
-    The calls in flight while the run's first call ran are left out of the fit: the engine's first
-    steps build its kernels (`torch.compile`, a server's graphs). What they took beyond the fit is
-    `warmup_s`, a one-off pause of the engine at its first call."""
+    One-off stalls are left out of the fit and measured apart, as `warmup_s`: the calls in flight
+    while the run's first call ran (the engine's first steps build its kernels: `torch.compile`,
+    a server's graphs), and calls that took over three times what the fit says (the built-in
+    engine compiles a decode step once for each new batch size). Overlapping stalled calls are
+    one stall: the longest excess of each overlapping run of them counts once."""
     rows, intervals = [], []
     for traj in trajectories:
         cached = 0
@@ -203,21 +216,33 @@ def fit_engine(trajectories: list[dict[str, Any]], prefix_cache: bool) -> Engine
                                hint="calibrate on a run of a few steps")
     spans = np.array(intervals)
     y = np.array([r[0] for r in rows])
-    new = np.array([r[1] for r in rows], dtype=float)
     sampled = np.array([r[2] for r in rows], dtype=float)
-    b = mean_concurrency(spans)
-    X = np.column_stack([np.ones(len(y)), new, sampled, sampled * b])
-    warm = spans[:, 0] < spans[:, 1].min()
-    fit = ~warm if (~warm).sum() >= 4 else np.ones(len(y), dtype=bool)
-    coef = nonnegative_fit(X[fit], y[fit])
-    if coef[2] + coef[3] <= 0:   # no token cost found: spread the calls' time over their tokens
-        coef[2] = float(y[fit].sum() / max(sampled[fit].sum(), 1))
+    X = np.column_stack([np.ones(len(y)), [r[1] for r in rows], sampled, sampled * mean_concurrency(spans)])
+    stalled = spans[:, 0] < spans[:, 1].min()
+    coef = np.zeros(4)
+    for _ in range(5):
+        fit = ~stalled if (~stalled).sum() >= 4 else np.ones(len(y), dtype=bool)
+        coef = robust_fit(X[fit], y[fit])
+        if coef[2] + coef[3] <= 0:   # no token cost found: spread the calls' time over their tokens
+            coef[2] = float(y[fit].sum() / max(sampled[fit].sum(), 1))
+        slow = (y > 3 * (X @ coef) + 0.05) | (spans[:, 0] < spans[:, 1].min())
+        if (slow == stalled).all():
+            break
+        stalled = slow
     resid = y[fit] - X[fit] @ coef
     r2 = 1 - float((resid ** 2).sum()) / max(float(((y[fit] - y[fit].mean()) ** 2).sum()), 1e-12)
-    first = int(np.argmin(spans[:, 0]))
-    warmup = max(float(y[first] - X[first] @ coef), 0.0) if fit[first] == False else 0.0  # noqa: E712
-    return EngineFit(float(coef[0]), float(coef[1]), max(float(coef[2]), 1e-6), float(coef[3]), warmup,
-                     int(fit.sum()), r2)
+    return EngineFit(float(coef[0]), float(coef[1]), max(float(coef[2]), 1e-6), float(coef[3]),
+                     one_off_stalls(spans[stalled], (y - X @ coef)[stalled]), int(fit.sum()), r2)
+
+
+def one_off_stalls(spans: np.ndarray, excess: np.ndarray) -> float:
+    """Seconds of stalls: overlapping calls share one stall, the largest excess among them."""
+    total, end, worst = 0.0, -np.inf, 0.0
+    for (start, stop), extra in sorted(zip(spans.tolist(), excess.tolist())):
+        if start > end:
+            total, worst = total + worst, 0.0
+        worst, end = max(worst, extra), max(end, stop)
+    return max(total + worst, 0.0)
 
 
 @dataclass
