@@ -41,6 +41,7 @@ from atelier.cli import (
     run,
     sandbox,
     serve,
+    simulate,
     tasks,
     train,
 )
@@ -64,6 +65,7 @@ app.add_typer(models.models_app, name="models")
 app.add_typer(mtp.mtp_app, name="mtp")
 app.add_typer(tasks.tasks_app, name="tasks")
 app.add_typer(sandbox.sandbox_app, name="sandbox")
+app.add_typer(simulate.simulate_app, name="simulate")
 app.add_typer(results.results_app, name="results")
 app.command("rank", hidden=True)(rank.rank_cmd)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -183,7 +184,10 @@ class TokenContext:
         s = self.config.sampling
         params = SamplingParams(max_tokens=max_new, temperature=s.temperature, top_p=s.top_p, seed=seed,
                                 stop_token_ids=self.stop)
-        gen = self.model.generate(list(self.segment.token_ids), params)
+        context = list(self.segment.token_ids)
+        started, clock = time.time(), time.perf_counter()
+        gen = self.model.generate(context, params)
+        self.traj.record_generate(started, time.perf_counter() - clock, len(context), len(gen.token_ids))
         self.segment.extend_sampled(gen.token_ids, gen.logprobs, gen.versions, gen.routes)
         ended = bool(gen.token_ids) and gen.token_ids[-1] in self.stop
         content = self.tok.decode(gen.token_ids[:-1] if ended else gen.token_ids, skip_special_tokens=False)

@@ -121,6 +121,11 @@ class Trajectory:
     reward_parts: dict[str, float] = field(default_factory=dict)
     wall_s: float = 0.0
     limits: dict[str, Any] = field(default_factory=dict)   # the limits this run used (docs/pitfalls.md)
+    timings: dict[str, Any] = field(default_factory=dict)
+    """Clock readings of the episode, what `atelier.sim` calibrates from: `generate`, one
+    [start (Unix time), seconds, context tokens, sampled tokens] per model call
+    (`record_generate`); RL's task rollouts add `episode_s` (sandbox, agent and close) and
+    `grade_s`, the toy environment `env_s` (its latency)."""
 
     @property
     def num_tool_calls(self) -> int:
@@ -132,6 +137,11 @@ class Trajectory:
 
     def add_tokens(self, kind: str, count: int) -> None:
         self.tokens[kind] = self.tokens.get(kind, 0) + count
+
+    def record_generate(self, started_unix: float, seconds: float, context_tokens: int, sampled_tokens: int) -> None:
+        """One model call's timing (see `timings`)."""
+        self.timings.setdefault("generate", []).append(
+            [round(started_unix, 4), round(seconds, 5), context_tokens, sampled_tokens])
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(replace(self, segments=[]))

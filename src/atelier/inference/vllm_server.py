@@ -69,6 +69,8 @@ from atelier.errors import AtelierError, InfraError
 
 WORKER_EXTENSION = "atelier.inference.vllm_worker.AtelierWorkerExtension"
 PYTHON_ENV_VAR = "ATELIER_VLLM_PYTHON"
+STARTED_IN = "=== atelier: healthy after "
+"""How the server's log records each start's length (`atelier.sim` reads it: a restart's cost)."""
 VENV_NAME = ".venv-vllm"
 # Runs in the server's process group: once atelier (argv[1]) is gone, kill the whole group. It
 # forks and the grandchild watches, so a supervisor that kills a dead process's direct children
@@ -328,13 +330,16 @@ class VLLMServer:
         self.watchdog = start_watchdog(self.proc.pid)
         # The group id for operators (and tests) that need to find it, and for `_reap_orphans`.
         self.pid_path.write_text(f"{self.proc.pid}\n{self.rpc_dir}\n")
-        deadline = time.monotonic() + self.config.startup_timeout_s
+        started = time.monotonic()
+        deadline = started + self.config.startup_timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
                 raise VLLMUnavailable(f"the vLLM server exited with status {self.proc.returncode} while "
                                       f"starting:\n{self.log_tail()}", hint=f"full log: {self.log_path}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    with open(self.log_path, "a", encoding="utf-8") as log:   # what atelier.sim calibrates on
+                        log.write(f"{STARTED_IN}{time.monotonic() - started:.2f} s\n")
                     return
             except httpx.HTTPError:
                 pass

@@ -88,16 +88,23 @@ class ToyEnvironment:
         prompt_ids = chat_prompt_ids(tok, task.prompt)
         params = SamplingParams(max_tokens=self.rollout_cfg.max_tokens,
                                 temperature=self.rollout_cfg.temperature, seed=seed)
+        started_unix, clock = time.time(), time.perf_counter()
         gen = model.generate(prompt_ids, params)
+        generate_s = time.perf_counter() - clock
+        env_s = 0.0
         if self.cfg.env_latency_s:  # the environment's share of a rollout (tools, grading)
             u = random.Random(seed).uniform(-1.0, 1.0)
-            time.sleep(self.cfg.env_latency_s * (1.0 + self.cfg.env_latency_spread * u))
+            env_s = self.cfg.env_latency_s * (1.0 + self.cfg.env_latency_spread * u)
+            time.sleep(env_s)
         threshold = int(self.cfg.target_fraction * len(tok))
         hits = sum(1 for t in gen.token_ids if t < threshold)
         correctness = hits / max(1, len(gen.token_ids))
-        return single_turn_trajectory(task.id, task.prompt, model, prompt_ids, gen, gen.text, params,
+        traj = single_turn_trajectory(task.id, task.prompt, model, prompt_ids, gen, gen.text, params,
                                       correctness=correctness, passed=correctness >= 0.5,
                                       shaping=self.shaping, started=start)
+        traj.record_generate(started_unix, generate_s, len(prompt_ids), len(gen.token_ids))
+        traj.timings["env_s"] = round(env_s, 5)
+        return traj
 
 
 def chat_prompt_ids(tokenizer: Any, prompt: str) -> list[int]:

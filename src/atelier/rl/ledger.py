@@ -25,7 +25,9 @@ ignored. Resume rules (`Ledger.load(path, committed_step)`):
 - `graded` and `ready` slots keep their trajectories and are trained once.
 
 Groups are numbered in admission order (`group_index`); the task cursor is
-the set of tasks that have a group.
+the set of tasks that have a group. Every event carries `t`, the Unix time it
+was recorded: replaying ignores it; `atelier.sim` reads how long slots queued,
+ran and waited to be trained from it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -158,6 +161,7 @@ class Ledger:
             raise ValueError(f"unknown ledger event {kind!r}")
 
     def record(self, event: dict[str, Any]) -> None:
+        event = {**event, "t": round(time.time(), 4)} if "t" not in event else event
         with self._lock:
             self._write(event)
             self._apply(event)

@@ -63,14 +63,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
-from atelier.errors import AtelierError, BugError
-from atelier.failures import FailureLog, backoff_s, classify, describe
+from atelier.errors import BugError
+from atelier.failures import FailureLog, classify, describe
 from atelier.harness.trajectory import Trajectory
-from atelier.rl.advantages import final_advantages, tied
+from atelier.rl.advantages import final_advantages
 from atelier.rl.config import RolloutConfig
 from atelier.rl.curriculum import Curriculum
 from atelier.rl.ledger import Group, Ledger, Slot
+from atelier.rl.rules import (
+    TOO_FEW,
+    FailureBreaker,
+    RolloutsFailing,
+    breaker_limit,
+    choose_batch,
+    effective_staleness,
+    group_verdict,
+    groups_wanted,
+    may_admit,
+    retry_delay,
+)
 from atelier.rl.sample import Sample, samples_from_trajectory
+
+__all__ = ["Batch", "FailureBreaker", "Reconciler", "RolloutBackend", "RolloutsFailing", "rollout_seed"]
 
 DoneCallback = Callable[[str, "Trajectory | None", "BaseException | None"], None]
 
@@ -92,10 +106,6 @@ class RolloutBackend(Protocol):
     def close(self) -> None: ...
 
 
-class RolloutsFailing(AtelierError):
-    """Too many rollouts in a row failed: the infrastructure is down, not flaky."""
-
-
 @dataclass
 class Batch:
     """One optimizer step: its groups and, per ready member, the slot and its trajectory."""
@@ -114,23 +124,6 @@ class Batch:
         return [sample for slot in self.slots
                 for sample in samples_from_trajectory(self.trajectories[slot.slot_id], slot.advantage or 0.0,
                                                       slot.group_id)]
-
-
-class FailureBreaker:
-    """Trips after `limit` rollouts in a row failed: the infrastructure is down, not flaky."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit, self.streak = limit, 0
-
-    def success(self) -> None:
-        self.streak = 0
-
-    def failure(self, why: str) -> RolloutsFailing | None:
-        self.streak += 1
-        if self.streak < self.limit:
-            return None
-        return RolloutsFailing(f"{self.streak} rollouts in a row failed; the last: {why}",
-                               hint="check the engine and the sandboxes, then run the same command again to continue")
 
 
 @dataclass
@@ -157,14 +150,14 @@ class Reconciler:
         self.negative_scale = negative_scale
         """`trainer.negative_advantage_scale`: the final advantages of a group's members
         (`atelier.rl.advantages.final_advantages`) are what the ledger records and the trainer uses."""
-        self.staleness = 0 if cfg.mode == "sync" else cfg.max_staleness
+        self.staleness = effective_staleness(cfg)
         self.tasks = {t.id: t for t in tasks}
         admitted = ledger.task_ids()
         self.remaining = [t for t in tasks if t.id not in admitted]
         self.running: set[str] = set()
         self.counters = Counters()
         self.fatal: BaseException | None = None
-        self.breaker = FailureBreaker(max(8, 3 * cfg.workers))
+        self.breaker = FailureBreaker(breaker_limit(cfg.workers))
         self._trajectories: dict[str, Trajectory] = {}   # graded slots' trajectories, until batched
         self._not_before: dict[str, float] = {}           # retries waiting out their backoff
         self.failure_log = failure_log or FailureLog(rollouts_dir.parent / "failures.log")
@@ -198,17 +191,17 @@ class Reconciler:
             self._pump()
 
     # --- admission and launch ---------------------------------------------
+    def _live_groups(self) -> int:
+        return sum(1 for g in self.ledger.groups.values() if not g.dropped)
+
     def _groups_wanted(self) -> bool:
-        if not self.total_steps:
-            return True
-        live = sum(1 for g in self.ledger.groups.values() if not g.dropped)
-        return live < self.total_steps * self.cfg.groups_per_step
+        return groups_wanted(self._live_groups(), self.total_steps, self.cfg.groups_per_step)
 
     def _pump(self) -> None:
         if self._closed or self.fatal is not None:
             return
-        limit = (self.staleness + 1) * self.cfg.groups_per_step
-        while len(self.ledger.untrained_groups()) < limit and self._groups_wanted():
+        while may_admit(len(self.ledger.untrained_groups()), self._live_groups(), staleness=self.staleness,
+                        groups_per_step=self.cfg.groups_per_step, total_steps=self.total_steps):
             task = self.curriculum.next_task(self.remaining, self.category)
             if task is None:
                 break
@@ -267,9 +260,9 @@ class Reconciler:
         self.failure_log.record("infra", f"{slot.slot_id} (task {slot.task_id}, attempt {slot.attempt})", exc)
         self.counters.failures += 1
         self.counters.infra_types[type(exc).__name__] += 1
-        if slot.attempt < self.cfg.max_retries:
+        delay = retry_delay(slot.attempt, max_retries=self.cfg.max_retries, backoff_base_s=self.cfg.retry_backoff_s)
+        if delay is not None:
             self.ledger.set(slot.slot_id, "queued", attempt=slot.attempt + 1, failure=f"infra: {why}")
-            delay = backoff_s(self.cfg.retry_backoff_s, slot.attempt + 1)
             if delay > 0:
                 self._not_before[slot.slot_id] = time.monotonic() + delay
                 timer = threading.Timer(delay, self._wake)
@@ -303,14 +296,16 @@ class Reconciler:
         if group.dropped or any(s.state not in ("graded", "dropped") for s in slots):
             return
         valid = [s for s in slots if s.state == "graded"]
-        if len(valid) < min(self.cfg.min_valid, group.size):
+        rewards = [s.reward for s in valid]
+        verdict = group_verdict(rewards, group.size, min_valid=self.cfg.min_valid,
+                                skip_tied_groups=self.cfg.skip_tied_groups)
+        if verdict == TOO_FEW:
             self._drop(group, slots, f"only {len(valid)} of {group.size} rollouts survived infrastructure failures")
             return
         self.curriculum.observe_group(self.category(self.tasks[group.task_id]), [s.turns for s in valid],
                                       [s.tokens for s in valid], [bool(s.passed) for s in valid],
                                       order=group.index)
-        rewards = [s.reward for s in valid]
-        if self.cfg.skip_tied_groups and tied(rewards):
+        if verdict is not None:   # tied, with skip_tied_groups
             self._drop(group, slots, f"{TIED_REASON}: every member scored {rewards[0]:g}")
             self.counters.tied_groups += 1
             return
@@ -330,17 +325,13 @@ class Reconciler:
 
     def _trainable(self) -> Batch | None:
         untrained = self.ledger.untrained_groups()
-        ready = [g for g in untrained if self._ready(g)]
-        G = self.cfg.groups_per_step
-        exhausted = not self.remaining or not self._groups_wanted()
-        last = exhausted and len(ready) == len(untrained) and ready
-        if len(ready) < G and not last:
+        picked = choose_batch([self._ready(g) for g in untrained], [g.admitted_version for g in untrained],
+                              version=self.version, staleness=self.staleness,
+                              groups_per_step=self.cfg.groups_per_step,
+                              exhausted=not self.remaining or not self._groups_wanted())
+        if picked is None:
             return None
-        chosen = ready[:G]
-        ids = {g.group_id for g in chosen}
-        floor = self.version + 1 - self.staleness
-        if any(g.admitted_version < floor for g in untrained if g.group_id not in ids):
-            return None  # an older group would exceed the bound later: wait for it
+        chosen = [untrained[i] for i in picked]
         slots = [s for g in chosen for s in self.ledger.group_slots(g.group_id) if s.state == "ready"]
         return Batch(chosen, slots, {}, self.version)
 

@@ -73,6 +73,7 @@ class TaskEnvironment:
         if episode.infra_error is not None:
             raise InfraError(episode.infra_error)
         traj, result = episode.trajectory, episode.grade
+        traj.timings.update(episode_s=round(episode.episode_s, 4), grade_s=round(episode.grade_s, 4))
         fractions = dict(traj.reward_parts)
         shape_trajectory(traj, result.reward, self.shaping, applied=not result.error)
         traj.reward_parts.update({"pass": float(result.reward >= 1.0), **fractions})

@@ -49,6 +49,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from atelier.fsio import atomic_write
+from atelier.rl.chain import FULL, chain_reads, publish_kind
 
 StateDict = dict[str, torch.Tensor]
 INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -195,8 +196,8 @@ class DeltaChainWeightSync:
                 self._prev_step = rebuilt[1]
         if self._prev_step is not None and step <= self._prev_step:
             raise ValueError(f"publish steps must increase: {step} after {self._prev_step}")
-        full = (self._prev is None or step % self.full_every == 0
-                or set(self._prev) != set(bits))
+        full = publish_kind(step, full_every=self.full_every, has_previous=self._prev is not None,
+                            same_keys=self._prev is None or set(self._prev) == set(bits)) == FULL
         dtypes = {k: str(v.dtype).removeprefix("torch.") for k, v in state_dict.items()}
         if full:
             kind, payload = "full", bits
@@ -227,22 +228,20 @@ class DeltaChainWeightSync:
         if not steps:
             return None
         newest = steps[-1][0]
-        if self._read is not None and self._read[1] == newest:
+        held = None if self._read is None else self._read[1]
+        try:
+            base, deltas = chain_reads(steps, held)
+        except ValueError:
+            raise RuntimeError(f"delta chain in {self.root} has no full snapshot") from None
+        if base is None and not deltas:
             return self._read
-        fulls = [s for s, kind in steps if kind == "full" and s <= newest]
-        if not fulls:
-            raise RuntimeError(f"delta chain in {self.root} has no full snapshot")
-        base = fulls[-1]
-        if self._read is not None and base <= self._read[1] < newest:
+        if base is None:
             bits = {k: _bits(v).clone() for k, v in self._read[0].items()}
-            start_after, dtypes = self._read[1], {k: v.dtype for k, v in self._read[0].items()}
+            dtypes = {k: v.dtype for k, v in self._read[0].items()}
         else:
-            payload, meta = _decode(self._path(base, "full").read_bytes())
-            bits, start_after = payload, base
+            bits, meta = _decode(self._path(base, "full").read_bytes())
             dtypes = {k: getattr(torch, d) for k, d in meta["dtypes"].items()}
-        for s, kind in steps:
-            if s <= start_after or kind != "delta":
-                continue
+        for s in deltas:
             payload, meta = _decode(self._path(s, "delta").read_bytes())
             for k, x in payload.items():
                 bits[k] = torch.bitwise_xor(bits[k], x)

@@ -64,7 +64,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 from atelier.sandbox.base import Sandbox, SandboxClosed, SandboxConfig, SandboxError, SnapshotMissing, SnapshotUnusable
 from atelier.sandbox.factory import create_sandbox
@@ -92,6 +92,13 @@ def percentile(values: list[float], q: float) -> float | None:
         return None
     ordered = sorted(values)
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def least_loaded(open_counts: Sequence[int], turn: int) -> int:
+    """The host a new sandbox goes to (`RaySandboxPool`; `atelier.sim` places by the same rule):
+    the one with the fewest open sandboxes, ties broken in turn starting at host `turn`."""
+    n = len(open_counts)
+    return min(range(n), key=lambda i: (open_counts[i], (i - turn) % n))
 
 
 # -- the pool -----------------------------------------------------------------

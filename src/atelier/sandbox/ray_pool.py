@@ -47,7 +47,7 @@ from atelier.sandbox.base import (
     SandboxConfig,
     SandboxError,
 )
-from atelier.sandbox.pool import SandboxPool, percentile
+from atelier.sandbox.pool import SandboxPool, least_loaded, percentile
 
 
 class RayUnavailable(SandboxError):
@@ -290,9 +290,8 @@ class RaySandboxPool:
         with self._lock:
             if self._closed:
                 raise SandboxClosed("the sandbox pool is closed", hint="create a new RaySandboxPool")
-            n = len(self._hosts)
-            host = min(range(n), key=lambda i: (self._open[i], (i - self._turn) % n))
-            self._turn = (host + 1) % n
+            host = least_loaded(self._open, self._turn)
+            self._turn = (host + 1) % len(self._hosts)
             self._open[host] += 1
         try:
             sid = self._call(host, "acquire", os.fspath(snapshot), config, timeout)
