@@ -44,16 +44,16 @@ def busy_cores(seconds: float = 0.25) -> float:
     return round((os.cpu_count() or 1) * (1 - (idle1 - idle0) / (total1 - total0)), 2)
 
 
-def settle(below: float = 0.2, most_s: float = 10.0) -> dict:
+def settle(below: float = 0.2, most_s: float = 10.0, busy=busy_cores) -> dict:
     """Wait until fewer than `below` cores are busy, at most `most_s` seconds. A peer can keep
     a core spinning after it answers (vLLM's CPU worker polls for its next step for about a
     second), which would otherwise be charged to whichever row runs next. Returns how long it
-    waited and what was busy when it stopped waiting."""
+    waited and what was busy when it stopped waiting. `busy`: what measures the cores in use."""
     start = time.monotonic()
-    busy = busy_cores()
-    while busy >= below and time.monotonic() - start < most_s:
-        busy = busy_cores()
-    return {"settle_s": round(time.monotonic() - start, 2), "busy_cores": busy}
+    used = busy()
+    while used >= below and time.monotonic() - start < most_s:
+        used = busy()
+    return {"settle_s": round(time.monotonic() - start, 2), "busy_cores": used}
 
 
 def commit() -> str:

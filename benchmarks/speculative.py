@@ -160,10 +160,7 @@ def main() -> None:
     report["runs"] = runs
     report["summary"] = summarize(runs)
     report["checks"] = checks(model, args.new_tokens, args.samples)
-    report["load_at_end"] = record.load()
-    if not args.no_save:
-        report["saved"] = str(record.save("speculative", report))
-    print(json.dumps(report, indent=1))
+    print(json.dumps(record.finish("speculative", report, not args.no_save), indent=1))
 
 
 if __name__ == "__main__":
