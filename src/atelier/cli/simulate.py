@@ -60,7 +60,8 @@ def run_cmd(
     fault: List[str] = typer.Option([], "--fault", help=FAULT_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the figures as one JSON object."),
 ) -> None:
-    """Simulate a cluster: wall time, throughput, trainer idle time, staleness of trained tokens."""
+    """Simulate a cluster: wall time, throughput, trainer idle time, staleness of trained tokens.
+    Example: atelier simulate run recipes/clusters/coder-7b.toml --fault inference_down:300:120"""
     from atelier.config import load_config
     from atelier.sim.cluster import SimConfig
     from atelier.sim.commands import figures_table
@@ -83,7 +84,8 @@ def check_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the comparison as one JSON object."),
 ) -> None:
     """Predict RUN_DIR's recipe from another run's components and compare each figure with what
-    RUN_DIR measured (relative errors; staleness by total variation)."""
+    RUN_DIR measured (relative errors; staleness by total variation). Example:
+    atelier simulate check runs/rl-sync --from runs/rl"""
     from atelier.sim.commands import check
 
     result = check(run_dir, calibration, _faults(fault))
@@ -105,7 +107,8 @@ def sweep_cmd(
     overrides: List[str] = typer.Option([], "--set", help=SET_HELP.format(example="steps=6")),
 ) -> None:
     """Throughput and staleness against the GPU split and the staleness bound, async over sync,
-    the cost of outages; writes sweep.json and PNG plots into --out."""
+    the cost of outages; writes sweep.json and PNG plots into --out. Example:
+    atelier simulate sweep recipes/clusters/coder-7b.toml --gpus 8,64,512 --out sweep"""
     from atelier.sim.commands import parse_list
     from atelier.sim.sweep import run_sweep
 
