@@ -107,3 +107,15 @@ def test_the_admission_rule_is_the_reconcilers():
     assert max(int(k) for k in fig.staleness) == 2
     one = Pipeline(_cluster("async", 8, 5e-3, "rollout.workers=18"), _workload(3)).run().figures
     assert max(int(k) for k in one.staleness) == 1
+
+
+def test_an_outage_that_stops_the_run_costs_no_time_it_stops_it():
+    """`outage_costs`: a sandbox outage long enough to trip the breaker ends the run early, which
+    must not read as time saved (a negative cost): the row says the run stopped, and after which step."""
+    from atelier.sim.sweep import outage_costs
+
+    cfg = _cluster("async", 6, 1e-3, "rollout.retry_backoff_s=0.1", "workload.turns=1")
+    rows = {r["outage"]: r for r in outage_costs(cfg, outage_s=3600)}
+    stopped = rows["sandbox host down"]
+    assert stopped["run_stopped"] and stopped["extra_wall_s"] is None and stopped["steps_done"] < 6
+    assert not rows["none"]["run_stopped"] and rows["none"]["extra_wall_s"] == 0.0

@@ -59,7 +59,13 @@ def plot_speedup(speedups: dict[int, float | None], path: Path, title: str) -> P
 def plot_outages(rows: Sequence[dict[str, Any]], path: Path, title: str) -> Path:
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     hit = [r for r in rows if r["outage"] != "none"]
-    ax.barh([r["outage"] for r in hit], [r["extra_wall_s"] / 60 for r in hit], color="#c44e52")
+    done = [r for r in hit if not r.get("run_stopped")]
+    ax.barh([r["outage"] for r in done], [r["extra_wall_s"] / 60 for r in done], color="#c44e52")
+    for r in hit:
+        if r.get("run_stopped"):   # no bar: a stopped run has no added time, it has a stop
+            ax.barh([r["outage"]], [0.0])
+            ax.annotate(f"run stopped after step {r['steps_done']}", (0, r["outage"]), xytext=(4, 0),
+                        textcoords="offset points", va="center", fontsize=8)
     ax.set_xlabel(f"minutes added to the run by an outage of {hit[0]['outage_s'] / 60:.0f} min" if hit else "")
     ax.set_title(f"{title}: what an outage costs", fontsize=10)
     return _save(fig, path)

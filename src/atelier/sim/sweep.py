@@ -95,9 +95,11 @@ def outage_costs(base: SimConfig, outage_s: float) -> list[dict[str, Any]]:
     rows = []
     for name, faults in scenarios.items():
         fig = clean if not faults else simulate(base.model_copy(update={"faults": faults})).figures
+        # a run the outage stopped (the failure breaker) did not finish: its wall time is no cost
+        finished = fig.steps >= clean.steps
         rows.append({**_row(base, fig, outage=name, at_s=at, outage_s=0 if not faults else outage_s),
-                     "extra_wall_s": round(fig.wall_s - clean.wall_s, 1),
-                     "steps_done": fig.steps})
+                     "extra_wall_s": round(fig.wall_s - clean.wall_s, 1) if finished else None,
+                     "steps_done": fig.steps, "run_stopped": not finished})
     return rows
 
 
@@ -127,7 +129,9 @@ def run_sweep(cluster: Path, out: Path, *, overrides: Sequence[str] = (), gpus: 
     headline = {"cluster": base.name, "best_split": {str(g): {k: b[k] for k in keep}
                                                      for g, b in bests.items()},
                 "async_over_sync": {str(g): s for g, s in speedups.items()},
-                "outage_extra_wall_s": {r["outage"]: r["extra_wall_s"] for r in outages if r["outage"] != "none"}}
+                "outage_extra_wall_s": {r["outage"]: r["extra_wall_s"] if not r["run_stopped"] else
+                                        f"the run stopped after step {r['steps_done']}"
+                                        for r in outages if r["outage"] != "none"}}
     report = {"headline": headline, "split": split, "staleness": stale, "outages": outages,
               "sources": base.sources, "plots": [str(p.name) for p in plots]}
     write_json(out / "sweep.json", report)
