@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import time
 from pathlib import Path
@@ -68,26 +67,13 @@ def commit() -> str:
     return head + ("+dirty" if dirty else "")
 
 
-def _cpu() -> tuple[str, list[str]]:
-    model, flags = platform.processor() or platform.machine(), []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model in ("", platform.machine(), platform.processor()):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = line.split(":", 1)[1].split()
-    except OSError:
-        pass
-    return model, flags
-
-
 def machine() -> dict:
+    """The run's host as `atelier run`'s records name it, with the accelerator if any."""
     import torch
 
-    model, flags = _cpu()
-    info = {"cpu": model, "cores": os.cpu_count(), "arch": platform.machine(),
-            "bf16_units": sorted(f for f in flags if f in ("avx512_bf16", "amx_bf16", "amx_tile")),
-            "python": platform.python_version(), "torch": torch.__version__}
+    from atelier.pipeline.record import host
+
+    info = {**host(), "torch": torch.__version__}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
