@@ -302,3 +302,26 @@ def test_step_threads_drop_to_one_when_the_cores_are_wanted(monkeypatch):
     clock[0] += 1.0
     waited[0] += int(0.3e9)
     assert policy.choose(4) == 1
+
+
+def test_a_compiled_region_keeps_its_room_for_graphs_on_any_thread() -> None:
+    """Dynamo's settings hold only for the thread that makes them, and every engine runs on a
+    thread of its own: the decode layer's room for graphs goes with its compiled region, so a
+    thread that never touched the settings still compiles past dynamo's default of 8."""
+    import threading
+
+    from atelier.inference.forward import RECOMPILE_LIMIT, compile_for_every_shape
+
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(example_inputs[0].shape[0])
+        return gm.forward
+
+    compiled = compile_for_every_shape(lambda x: x * 2, dynamic=False, backend=counting)
+    sizes = list(range(1, 13))
+    assert 8 < len(sizes) < RECOMPILE_LIMIT
+    worker = threading.Thread(target=lambda: [compiled(torch.ones(n)) for n in sizes])
+    worker.start()
+    worker.join()
+    assert graphs == sizes   # past the limit the rest would run uncompiled, with no graph

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -319,16 +319,21 @@ COMPILE_OPTIONS = {
 }
 
 
+def compile_for_every_shape(fn: Callable, **compile_kwargs: Any) -> Callable:
+    """`torch.compile(fn)` with room for `RECOMPILE_LIMIT` graphs. The decode layer has one per
+    thread count, batch of one or more, number of length groups, dtype and verification or plain
+    step: past dynamo's default of 8 it would run uncompiled from then on. The limit goes with the
+    compiled region, not in `torch._dynamo.config`, whose settings hold only for the thread that
+    makes them: each engine runs on a thread of its own."""
+    return torch.compile(fn, recompile_limit=RECOMPILE_LIMIT, **compile_kwargs)
+
+
 def compiled_decode_layer() -> Callable:
-    """`decode_layer` compiled, one wrapper for the process: its graphs (one per thread count and
-    batch of one or more) serve every layer of every engine with the same shapes."""
+    """`decode_layer` compiled, one wrapper for the process: its graphs serve every layer of every
+    engine with the same shapes."""
     global _compiled_decode_layer
     if _compiled_decode_layer is None:
-        # One graph per thread count, batch of one or more, number of length groups and
-        # verification or plain step: past dynamo's default of 8 graphs a function, it would
-        # run the layer uncompiled from then on.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-        _compiled_decode_layer = torch.compile(decode_layer, dynamic=False, options=COMPILE_OPTIONS)
+        _compiled_decode_layer = compile_for_every_shape(decode_layer, dynamic=False, options=COMPILE_OPTIONS)
     return _compiled_decode_layer
 
 
