@@ -209,6 +209,8 @@ def test_stop_sequences_and_max_tokens_cut_accepted_drafts(agreeing_dir):
 
 
 def test_policy_keeps_the_faster_kind_of_step(monkeypatch):
+    from atelier.inference.speculative import PROBE_STEPS
+
     clock = [100.0]
     monkeypatch.setattr("atelier.inference.speculative.time.monotonic", lambda: clock[0])
     policy = SpeculationPolicy(True, max_batch=16)
@@ -218,10 +220,33 @@ def test_policy_keeps_the_faster_kind_of_step(monkeypatch):
         policy.record(True, 4, 0.030, 4)             # 7.5 ms a token speculating
         clock[0] += 0.1
     clock[0] += 10
-    assert not policy.choose(4)                      # a probe of plain steps
-    policy.record(False, 4, 0.012, 4)                # 3 ms a token: plain wins
+    for _ in range(PROBE_STEPS):                     # a probe of plain steps
+        assert not policy.choose(4)
+        policy.record(False, 4, 0.012, 4)            # 3 ms a token: plain wins
     assert not policy.choose(4) and policy.switches == 1
     assert not SpeculationPolicy(False, 16).choose(1)
+
+
+def test_policy_judges_speculation_by_its_tokens_over_its_seconds(monkeypatch):
+    """At batch 1 a speculative step emits one token most of the time (a step 1.2x a plain one)
+    and four now and then: its median step loses to plain decoding, its total wins. The policy
+    keeps speculating, and probes of plain steps do not talk it out of it."""
+    from atelier.inference.speculative import PROBE_STEPS
+
+    clock = [100.0]
+    monkeypatch.setattr("atelier.inference.speculative.time.monotonic", lambda: clock[0])
+    policy = SpeculationPolicy(True, max_batch=16)
+    plain_s, spec_s = 0.010, 0.012
+    for probe in range(3):
+        for i in range(12):
+            assert policy.choose(1)
+            policy.record(True, 1, spec_s, 4 if i % 3 == 0 else 1)   # 2 tokens a step: 6 ms a token
+            clock[0] += spec_s
+        clock[0] += 1000
+        for _ in range(PROBE_STEPS):
+            assert not policy.choose(1)
+            policy.record(False, 1, plain_s, 1)                        # 10 ms a token
+    assert policy.choose(1) and policy.switches == 0
 
 
 def test_vllm_refuses_heads_it_cannot_load(heads_dir):

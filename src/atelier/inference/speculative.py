@@ -20,12 +20,13 @@ or stale head key lowers acceptance, never changes what is emitted.
 `SpeculationPolicy` decides per step whether to speculate: it measures seconds per emitted token
 of both kinds of step per batch size and keeps the faster (a large batch on a CPU is compute
 bound, and a pass over D+1 tokens a sequence then costs more than the tokens it saves; low
-acceptance does the same), probing the other now and then.
+acceptance does the same), probing the other now and then. Seconds per token are totals over
+several steps, seconds over tokens: a speculative step emits one token most of the time and
+several now and then, so one step, or the median step, says nothing of what speculation yields.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections import deque
 from typing import NamedTuple
@@ -142,7 +143,8 @@ class DraftHeads:
 PROBE_FIRST = 4.0     # seconds before the first probe of the other kind of step (per batch size)
 PROBE_LAST = 120.0
 GAIN = 0.9            # the other kind becomes current when its seconds per token are below this share
-COMPARED = 6
+COMPARED = 16         # the current kind's last steps a probe is compared with
+PROBE_STEPS = 8       # steps of the other kind a probe runs
 
 
 class SpeculationPolicy:
@@ -157,15 +159,19 @@ class SpeculationPolicy:
         self.enabled, self.max_batch = enabled, max_batch
         self.mode = "auto"
         self._current: dict[int, bool] = {}
-        self._recent: dict[tuple[int, bool], deque[float]] = {}
+        self._recent: dict[int, deque[tuple[float, int]]] = {}   # the current kind's (seconds, tokens)
         self._next_probe: dict[int, float] = {}
         self._gap: dict[int, float] = {}
-        self._probing: int | None = None
+        self._probe: dict[int, list[tuple[float, int]]] = {}      # a running probe's steps
         self.switches = 0
 
     @staticmethod
     def bucket(batch: int) -> int:
         return max(1, batch).bit_length()
+
+    @staticmethod
+    def per_token(steps) -> float:
+        return sum(s for s, _ in steps) / max(1, sum(t for _, t in steps))
 
     def choose(self, batch: int) -> bool:
         if not self.enabled or self.mode == "never":
@@ -177,27 +183,29 @@ class SpeculationPolicy:
         key, now = self.bucket(batch), time.monotonic()
         current = self._current.setdefault(key, True)
         self._next_probe.setdefault(key, now + PROBE_FIRST)
-        mine = self._recent.get((key, current), ())
-        if now >= self._next_probe[key] and len(mine) >= 2:
-            self._probing = key
-            return not current
-        return current
+        if key not in self._probe and now >= self._next_probe[key] and len(self._recent.get(key, ())) >= 2:
+            self._probe[key] = []
+        return not current if key in self._probe else current
 
     def record(self, speculated: bool, batch: int, seconds: float, tokens: int) -> None:
         if not self.enabled or self.mode != "auto" or batch > self.max_batch or tokens <= 0:
             return
         key = self.bucket(batch)
-        per_token = seconds / tokens
         current = self._current.get(key, True)
-        self._recent.setdefault((key, speculated), deque(maxlen=COMPARED)).append(per_token)
-        if self._probing != key or speculated == current:
+        if speculated == current:
+            self._recent.setdefault(key, deque(maxlen=COMPARED)).append((seconds, tokens))
             return
-        self._probing = None
-        mine = self._recent.get((key, current))
+        probe = self._probe.get(key)
+        if probe is None:
+            return
+        probe.append((seconds, tokens))
+        if len(probe) < PROBE_STEPS:
+            return
+        del self._probe[key]
         gap = self._gap.get(key, PROBE_FIRST)
-        if mine and per_token < GAIN * statistics.median(mine):
+        if self.per_token(probe) < GAIN * self.per_token(self._recent.get(key, ())):
             self._current[key] = speculated
-            self._recent[(key, current)].clear()
+            self._recent[key] = deque(probe, maxlen=COMPARED)
             self.switches += 1
             gap = PROBE_FIRST
         else:
