@@ -249,6 +249,25 @@ def test_policy_judges_speculation_by_its_tokens_over_its_seconds(monkeypatch):
     assert policy.choose(1) and policy.switches == 0
 
 
+def test_one_step_that_built_a_kernel_does_not_decide_a_probe(monkeypatch):
+    """The first speculative steps at a batch size compile the verification graphs: one such
+    step, seconds long, must not make plain decoding look faster than speculation that pays."""
+    from atelier.inference.speculative import PROBE_STEPS
+
+    clock = [100.0]
+    monkeypatch.setattr("atelier.inference.speculative.time.monotonic", lambda: clock[0])
+    policy = SpeculationPolicy(True, max_batch=16)
+    for i in range(12):
+        assert policy.choose(1)
+        policy.record(True, 1, 3.0 if i == 0 else 0.012, 2)   # a compile, then 6 ms a token
+    clock[0] += 1000
+    for _ in range(PROBE_STEPS):
+        assert not policy.choose(1)
+        policy.record(False, 1, 0.010, 1)                     # 10 ms a token
+    assert policy.choose(1) and policy.switches == 0
+    assert SpeculationPolicy.per_token([(1.0, 1)]) == 1.0 and SpeculationPolicy.per_token([]) == 0.0
+
+
 def test_vllm_refuses_heads_it_cannot_load(heads_dir):
     """vLLM drafts only with MTP layers of the architectures it knows: atelier's heads on a Llama
     get a typed error naming the way out, and no flag reaches a server."""
