@@ -7,11 +7,13 @@ Waits tell a hang from progress: their timeouts are generous bounds for a loaded
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import os
 import subprocess
 import textwrap
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Callable
 
 from atelier.tasks.schema import PythonEnv, TaskLimits, TaskMetadata, TaskSpec
@@ -149,3 +151,14 @@ SHAPES = {
     ''',
 }
 """A package with its own tests, which every test of a function catches a mutation of."""
+
+
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+
+
+def load_experiment(name: str) -> ModuleType:
+    """`experiments/<name>/run.py` as a module (the experiments are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"{name}_run", EXPERIMENTS / name / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
-from pathlib import Path
 
 import pytest
 
-EXPERIMENT = Path(__file__).resolve().parents[2] / "experiments" / "cpt_scaling"
+from tests.helpers import EXPERIMENTS, load_experiment
+
+EXPERIMENT = EXPERIMENTS / "cpt_scaling"
 
 
-def _load_run():
-    spec = importlib.util.spec_from_file_location("cpt_scaling_run", EXPERIMENT / "run.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # puts the experiment directory on sys.path for `completion`
-    return module
-
-
-run = _load_run()
+run = load_experiment("cpt_scaling")  # puts the experiment directory on sys.path for `completion`
 completion = sys.modules["completion"]
 
 CODE = "\n".join([

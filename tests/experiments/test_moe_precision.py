@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 
-EXPERIMENT = Path(__file__).resolve().parents[2] / "experiments" / "moe_precision"
+from tests.helpers import EXPERIMENTS, load_experiment
 
+EXPERIMENT = EXPERIMENTS / "moe_precision"
 
-def _load_run():
-    spec = importlib.util.spec_from_file_location("moe_precision_run", EXPERIMENT / "run.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.slow
 def test_smoke_run_writes_results_and_plot(tmp_path):
-    run = _load_run()
+    run = load_experiment("moe_precision")
     results = run.main(["--out", str(tmp_path), "--smoke"])
     assert set(results["arms"]) == set(run.ARMS)
     for arm in results["arms"].values():

@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-EXPERIMENT = Path(__file__).resolve().parents[2] / "experiments" / "mtp_attach"
+from tests.helpers import EXPERIMENTS, load_experiment
 
-
-def _load_run():
-    spec = importlib.util.spec_from_file_location("mtp_attach_run", EXPERIMENT / "run.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+EXPERIMENT = EXPERIMENTS / "mtp_attach"
 
 
-run = _load_run()
+
+run = load_experiment("mtp_attach")
 
 
 def test_arm_recipes_change_only_what_the_arm_names(tmp_path) -> None:

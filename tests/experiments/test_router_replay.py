@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-EXPERIMENT = Path(__file__).resolve().parents[2] / "experiments" / "router_replay"
+from tests.helpers import EXPERIMENTS, load_experiment
+
+EXPERIMENT = EXPERIMENTS / "router_replay"
 
 
 @pytest.mark.slow
 def test_smoke_run(tmp_path):
-    spec = importlib.util.spec_from_file_location("router_replay_run", EXPERIMENT / "run.py")
-    run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run)
+    run = load_experiment("router_replay")
     results = run.main(["--out", str(tmp_path), "--smoke"])
     later = results["one_step_later"]
     assert later["no_replay"]["routing_flip_frac"] > 0
