@@ -8,9 +8,7 @@ import sys
 
 import pytest
 
-from tests.helpers import EXPERIMENTS, load_experiment
-
-EXPERIMENT = EXPERIMENTS / "cpt_scaling"
+from tests.helpers import load_experiment
 
 
 run = load_experiment("cpt_scaling")  # puts the experiment directory on sys.path for `completion`

@@ -12,7 +12,6 @@ from tests.helpers import EXPERIMENTS, load_experiment
 EXPERIMENT = EXPERIMENTS / "moe_precision"
 
 
-
 @pytest.mark.slow
 def test_smoke_run_writes_results_and_plot(tmp_path):
     run = load_experiment("moe_precision")

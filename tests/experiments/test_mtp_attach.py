@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tests.helpers import EXPERIMENTS, load_experiment
-
-EXPERIMENT = EXPERIMENTS / "mtp_attach"
-
+from tests.helpers import load_experiment
 
 
 run = load_experiment("mtp_attach")
