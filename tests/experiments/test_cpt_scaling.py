@@ -10,7 +10,6 @@ import pytest
 
 from tests.helpers import load_experiment
 
-
 run = load_experiment("cpt_scaling")  # puts the experiment directory on sys.path for `completion`
 completion = sys.modules["completion"]
 

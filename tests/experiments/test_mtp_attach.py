@@ -6,7 +6,6 @@ import json
 
 from tests.helpers import load_experiment
 
-
 run = load_experiment("mtp_attach")
 
 
