@@ -140,18 +140,29 @@ class DraftHeads:
         return run.tokens[at] if at < len(run.tokens) else drafts[at - len(run.tokens)]
 
 
-PROBE_FIRST = 4.0     # seconds before the first probe of the other kind of step (per batch size)
-PROBE_LAST = 120.0
+PROBE_FIRST = 4.0     # seconds between probes after a switch, and after the first losing probe
+PROBE_LAST = 120.0    # the longest gap between probes of a kind that keeps losing
 GAIN = 0.9            # the other kind becomes current when its seconds per token are below this share
+FAR = 1.5             # a probe this many times slower per token backs the next one off 4x, not 2x
 COMPARED = 16         # the current kind's last steps a probe is compared with
-PROBE_STEPS = 8       # steps of the other kind a probe runs
+WARM_STEPS = 4        # plain steps at a batch size before its first probe of speculation
+PROBE_STEPS = 8       # a probe covers this many sequence-steps (steps x batch) ...
+MIN_PROBE_STEPS = 4   # ... and at least this many steps (the longest is left out of its figure)
 
 
 class SpeculationPolicy:
     """Whether the next step speculates (see the module docstring): `choose(batch)` before a step,
     `record(speculated, batch, seconds, tokens)` after it. `enabled` False: never; `max_batch`: no
     speculation above it. `mode` "auto" measures; "always" and "never" fix the choice (what a
-    benchmark compares)."""
+    benchmark compares).
+
+    Each batch size (in powers of two) starts with plain steps, the kind that cannot lose: a step
+    of speculation costs more and only acceptance pays for it. After `WARM_STEPS` of them comes the
+    first probe of speculation, a few steps long (more at batch 1, where one step's tokens vary
+    most); the faster kind per token stays. A probe of a kind that loses comes back after a gap
+    that doubles (quadruples where it lost by `FAR`) up to `PROBE_LAST`, so where speculation
+    does not pay it costs a few steps now and then, and where it does it is on within a few
+    dozen steps."""
 
     MODES = ("auto", "always", "never")
 
@@ -170,6 +181,10 @@ class SpeculationPolicy:
         return max(1, batch).bit_length()
 
     @staticmethod
+    def probe_steps(batch: int) -> int:
+        return max(MIN_PROBE_STEPS, -(-PROBE_STEPS // max(1, batch)))
+
+    @staticmethod
     def per_token(steps) -> float:
         """Seconds over tokens of `steps`, the longest step left out where there are 4 or more:
         a step that built a kernel (a new shape's first) takes seconds, and one such step would
@@ -185,9 +200,9 @@ class SpeculationPolicy:
         if batch > self.max_batch:
             return False
         key, now = self.bucket(batch), time.monotonic()
-        current = self._current.setdefault(key, True)
-        self._next_probe.setdefault(key, now + PROBE_FIRST)
-        if key not in self._probe and now >= self._next_probe[key] and len(self._recent.get(key, ())) >= 2:
+        current = self._current.setdefault(key, False)
+        self._next_probe.setdefault(key, now)
+        if key not in self._probe and now >= self._next_probe[key] and len(self._recent.get(key, ())) >= WARM_STEPS:
             self._probe[key] = []
         return not current if key in self._probe else current
 
@@ -195,7 +210,7 @@ class SpeculationPolicy:
         if not self.enabled or self.mode != "auto" or batch > self.max_batch or tokens <= 0:
             return
         key = self.bucket(batch)
-        current = self._current.get(key, True)
+        current = self._current.get(key, False)
         if speculated == current:
             self._recent.setdefault(key, deque(maxlen=COMPARED)).append((seconds, tokens))
             return
@@ -203,16 +218,18 @@ class SpeculationPolicy:
         if probe is None:
             return
         probe.append((seconds, tokens))
-        if len(probe) < PROBE_STEPS:
+        if len(probe) < self.probe_steps(batch):
             return
         del self._probe[key]
-        gap = self._gap.get(key, PROBE_FIRST)
-        if self.per_token(probe) < GAIN * self.per_token(self._recent.get(key, ())):
+        ratio = self.per_token(probe) / max(self.per_token(self._recent.get(key, ())), 1e-12)
+        if ratio < GAIN:
             self._current[key] = speculated
             self._recent[key] = deque(probe, maxlen=COMPARED)
             self.switches += 1
             gap = PROBE_FIRST
+        elif key not in self._gap:
+            gap = PROBE_FIRST
         else:
-            gap = min(PROBE_LAST, 2 * gap)
+            gap = min(PROBE_LAST, (4 if ratio > FAR else 2) * self._gap[key])
         self._gap[key] = gap
         self._next_probe[key] = time.monotonic() + gap
