@@ -3,7 +3,9 @@
 `attach` runs a pretrain recipe whose `[mtp]` section trains heads on a frozen trunk (the run
 directory, checkpoints and resume are `atelier pretrain`'s), then writes `--out`: the base
 model's files linked and the heads beside them. `eval` prints the heads' greedy acceptance on
-held-out code (atelier.pretrain.mtp_eval).
+held-out code (atelier.pretrain.mtp_eval). `generate` writes the model's own replies to chat
+requests and harness prompts (atelier.pretrain.mtp_corpus): the corpus the attach recipe's
+heads distil on.
 
 Only typer is imported at the top; torch and the trainer load inside the commands.
 """
@@ -65,6 +67,46 @@ def attach(
         _echo_acceptance("held-out code", summary["acceptance"])
 
 
+@mtp_app.command("generate")
+def generate_cmd(
+    model: str = typer.Option(..., "--model", help="The model whose replies the heads will learn "
+                              "(a directory, or a name atelier models pull knows)."),
+    out: Path = typer.Option(..., "--out", help="The JSONL file to write: one chat per line, the chat "
+                             "files of an sft phase."),
+    chat: int = typer.Option(1500, "--chat", min=0, help="Chat requests to reply to."),
+    agent: int = typer.Option(100, "--agent", min=0, help="Harness prompts (system prompt, tools, a task) "
+                              "to reply to."),
+    max_tokens: int = typer.Option(160, "--max-tokens", min=1, help="Tokens per reply at most."),
+    temperatures: List[float] = typer.Option([0.0, 0.7], "--temperature", help="Sampling temperatures, "
+                                             "taken in turn over the prompts (repeat the option)."),
+    seed: int = typer.Option(0, "--seed", help="Seeds the prompts' order and the sampled replies."),
+    split: str = typer.Option("train", "--split", help="train, or heldout: prompts about the standard-library "
+                              "modules kept out of train (one in ten), to measure heads on."),
+    max_batch: int = typer.Option(64, "--max-batch", min=1, help="Requests the engine decodes together."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON summary only."),
+) -> None:
+    """Write the model's own replies to chat requests and harness prompts: the corpus MTP heads
+    are distilled on. Example: atelier mtp generate --model smollm2-135m --out runs/data/mtp-replies.jsonl"""
+    from rich.progress import Progress
+
+    from atelier.inference.engine import LocalEngine
+    from atelier.pretrain.modeling import resolve_model_path
+    from atelier.pretrain.mtp_corpus import CorpusSpec, generate
+
+    spec = CorpusSpec(chat=chat, agent=agent, max_tokens=max_tokens, temperatures=tuple(temperatures), seed=seed,
+                      split=split)
+    if chat + agent == 0:
+        raise typer.BadParameter("nothing to generate: --chat and --agent are both 0", param_hint="--chat")
+    with LocalEngine(resolve_model_path(model), max_batch=max_batch, speculate=False) as engine, \
+            Progress(disable=as_json, transient=True) as progress:
+        task = progress.add_task("replies", total=chat + agent)
+        summary = generate(engine, spec, out, lambda done, total: progress.update(task, completed=done))
+    if as_json:
+        print(json.dumps(summary))
+        return
+    typer.echo(f"{summary['replies']} replies ({summary['reply_tokens']} tokens) written to {summary['out']}")
+
+
 @mtp_app.command("eval")
 def eval_cmd(
     model: str = typer.Option(..., "--model", help="A model directory with MTP heads (mtp.json)."),
@@ -79,18 +121,21 @@ def eval_cmd(
                                               "token ids (default: those the heads were distilled on; 0: all)."),
     device: str = typer.Option("auto", "--device", help="auto (a GPU when torch sees one), cpu or cuda."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 where the hardware has it), fp32 or bf16."),
+    chats: List[Path] = typer.Option([], "--chat", help="Also measure on the assistant turns of these chats "
+                                     "(JSONL, as atelier mtp generate --split heldout writes; repeat for several)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON result to this file."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object only."),
 ) -> None:
     """Greedy acceptance per head and the mean accepted length of a model's MTP heads, on held-out
-    code and on the model's own greedy continuations. Example: atelier mtp eval --model DIR --repo src/"""
+    code, on the model's own greedy continuations and on chats. Example: atelier mtp eval --model DIR
+    --chat runs/data/mtp-replies-heldout.jsonl"""
     from atelier.fsio import atomic_write
     from atelier.pretrain.mtp_eval import evaluate_heads
     from atelier.train.devices import pick_device
 
     results = evaluate_heads(model, [str(r) for r in repos], tokens=tokens, seq_len=seq_len, prompts=prompts,
                              prompt_len=prompt_len, new_tokens=new_tokens, device=str(pick_device(device)),
-                             dtype=dtype, draft_vocab=draft_vocab)
+                             dtype=dtype, draft_vocab=draft_vocab, chats=[str(c) for c in chats])
     if out is not None:
         atomic_write(out, json.dumps(results, indent=1) + "\n")
     if as_json:
@@ -98,10 +143,14 @@ def eval_cmd(
         return
     vocab = f"drafts from the first {results['draft_vocab']} ids" if results["draft_vocab"] else "drafts from all ids"
     typer.echo(f"{results['model']}: {results['heads']} heads, {results['tokens_seen']} training tokens seen, {vocab}")
-    _echo_acceptance(f"held-out code ({results['text']['tokens']} tokens)", results["text"])
+    if results["text"]:
+        _echo_acceptance(f"held-out code ({results['text']['tokens']} tokens)", results["text"])
     if results["greedy"]:
         g = results["greedy"]
         _echo_acceptance(f"greedy continuations ({g['prompts']} x {g['new_tokens']} tokens)", g)
+    if results["chat"]:
+        c = results["chat"]
+        _echo_acceptance(f"chats ({c['conversations']} conversations, {c['tokens']} reply tokens)", c)
 
 
 def _echo_acceptance(label: str, stats: dict) -> None:

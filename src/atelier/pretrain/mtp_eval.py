@@ -10,6 +10,9 @@ per row:
   cut from the same code (`new_tokens` each, counted from the first generated token). There the
   tokens the heads are fed are the main head's choices, as in greedy speculative decoding, so
   the figures are what a greedy verifier would accept, start by start.
+- `chat` (with `chats`, JSONL files of {"messages": [...]}, as `atelier mtp generate --split
+  heldout` writes): on the assistant turns of each conversation, the rest its context. On the
+  model's own replies this is what speculation meets when it serves them.
 
 The repositories default to the held-out ones the training run recorded in mtp.json. A draft is
 the head's argmax over the first `draft_vocab` token ids (those the heads were distilled on, or
@@ -29,14 +32,15 @@ from atelier.mtp.policy import MTPPolicyHead
 from atelier.mtp.store import load_mtp_heads
 from atelier.pretrain.modeling import load_model_and_tokenizer, resolve_model_path
 from atelier.pretrain.perplexity import EvalError, repo_text
+from atelier.pretrain.sft_data import load_chat
 from atelier.train.devices import cpu_has_bf16
 
 
 def evaluate_heads(model_spec: str, repos: Sequence[str | Path] = (), *, tokens: int = 8192, seq_len: int = 1024,
                    prompts: int = 4, prompt_len: int = 256, new_tokens: int = 128,
                    include: Sequence[str] = ("**/*.py",), device: str = "cpu", dtype: str = "auto",
-                   draft_vocab: int | None = None) -> dict[str, Any]:
-    """Both acceptance measures of the heads in `model_spec` (see the module docstring). The heads
+                   draft_vocab: int | None = None, chats: Sequence[str | Path] = ()) -> dict[str, Any]:
+    """The acceptance measures of the heads in `model_spec` (see the module docstring). The heads
     draft from the first `draft_vocab` ids (None: those mtp.json says they were distilled on; 0: the
     whole vocabulary), as an engine that drafts from them would."""
     model_dir = resolve_model_path(model_spec)
@@ -46,22 +50,27 @@ def evaluate_heads(model_spec: str, repos: Sequence[str | Path] = (), *, tokens:
         raise MTPError(f"{model_dir} has no MTP heads (no mtp.json)",
                        hint="attach heads first: atelier mtp attach recipes/mtp-attach-smollm2.toml --out DIR")
     repos = [str(r) for r in repos] or list(heads.info.get("heldout_repos") or [])
-    if not repos:
+    if not repos and not chats:
         raise EvalError(f"no held-out code to measure {model_dir}'s heads on (mtp.json names none)",
-                        hint="pass --repo DIR: code the heads and the model did not train on")
+                        hint="pass --repo DIR (code the heads and the model did not train on) or --chat FILE")
     ids = _token_stream(tokenizer, repos, include, max(tokens, prompts * prompt_len))
+    conversations = load_chat(chats, tokenizer)
     compute = _compute_dtype(dtype, device)
     model.to(compute)
     heads.to(compute)
     vocab = heads.draft_vocab if draft_vocab is None else (draft_vocab or None)
     policy = MTPPolicyHead(model, heads, "frozen", vocab=vocab).eval()
     with torch.no_grad():
-        text = _acceptance(policy, _rows(ids[:tokens], seq_len), skip=1, device=device)
-        greedy = _greedy(policy, ids, prompts, prompt_len, new_tokens, device)
+        text = _acceptance(policy, [_skipping(row, 1) for row in _rows(ids[:tokens], seq_len)], device) if ids else None
+        greedy = _greedy(policy, ids, prompts, prompt_len, new_tokens, device) if ids else None
+        chat = _acceptance(policy, [(torch.tensor([e.token_ids]), torch.tensor([e.loss_mask]))
+                                    for e in conversations], device) if conversations else None
     return {"model": str(model_dir), "heads": len(heads), "tokens_seen": heads.tokens_seen,
             "dtype": str(compute).removeprefix("torch."), "draft_vocab": vocab, "repos": repos,
             "training": heads.info,
-            "text": {**text, "tokens": min(tokens, len(ids))}, "greedy": greedy}
+            "text": text and {**text, "tokens": min(tokens, len(ids))}, "greedy": greedy,
+            "chat": chat and {**chat, "conversations": len(conversations),
+                              "tokens": sum(sum(e.loss_mask) for e in conversations)}}
 
 
 def _token_stream(tokenizer, repos: Sequence[str], include: Sequence[str], limit: int) -> list[int]:
@@ -87,14 +96,19 @@ def _rows(ids: list[int], seq_len: int) -> list[torch.Tensor]:
     return [torch.tensor(ids[s:s + seq_len])[None] for s in range(0, len(ids), seq_len) if len(ids) - s > 2]
 
 
-def _acceptance(policy: MTPPolicyHead, rows: list[torch.Tensor], skip: int, device: str) -> dict[str, Any]:
-    """Acceptance over `rows`, each a [1, T] tensor whose first `skip` positions are context only."""
+def _skipping(row: torch.Tensor, skip: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`row` and the mask that leaves its first `skip` positions as context only."""
+    mask = torch.ones_like(row)
+    mask[:, :skip] = 0
+    return row, mask
+
+
+def _acceptance(policy: MTPPolicyHead, rows: list[tuple[torch.Tensor, torch.Tensor]], device: str) -> dict[str, Any]:
+    """Acceptance over `rows`, each ([1, T] ids, [1, T] mask of the tokens measured)."""
     total, kl, weights = Acceptance(len(policy.mtp)), [0.0] * len(policy.mtp), [0.0] * len(policy.mtp)
-    for row in rows:
+    for row, mask in rows:
         ids = row.to(device)
-        mask = torch.ones_like(ids)
-        mask[:, :skip] = 0
-        _, out = policy(ids, torch.ones_like(ids), mtp_mask=mask)
+        _, out = policy(ids, torch.ones_like(ids), mtp_mask=mask.to(device))
         total.merge(out.acceptance)
         kl = [a + b for a, b in zip(kl, out.kl_sums)]
         weights = [a + b for a, b in zip(weights, out.weight_sums)]
@@ -114,5 +128,5 @@ def _greedy(policy: MTPPolicyHead, ids: list[int], prompts: int, prompt_len: int
                       max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=lm.config.pad_token_id or 0)
     # skip P + 1: the first step starts at the prompt's last position (trunk state h_{P-1}, the first
     # generated token t_P), whose first draft is t_{P+1}; head k's rows then start at teacher j = P
-    result = _acceptance(policy, [row[None] for row in out], skip=prompt_len + 1, device=device)
+    result = _acceptance(policy, [_skipping(row[None], prompt_len + 1) for row in out], device)
     return {**result, "prompts": prompts, "prompt_len": prompt_len, "new_tokens": new_tokens}
