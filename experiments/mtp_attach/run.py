@@ -2,10 +2,12 @@
 
     python experiments/mtp_attach/run.py --out runs/mtp-attach [--arms frozen,joint,...] [--smoke]
 
-Every arm is recipes/mtp-attach-smollm2.toml with a few keys changed (the arm's recipe is written
-beside its run), run as its own `atelier mtp attach` process (`atelier pretrain` for the joint
-trunk, which attach refuses), then measured by `atelier mtp eval` on held-out code and on greedy
-continuations. Arms:
+First the corpus, once: `atelier mtp generate` writes the model's replies that every arm distils on
+(as the recipe's header does, `--out`/replies.jsonl) and replies to held-out prompts
+(replies-heldout.jsonl). Every arm is recipes/mtp-attach-smollm2.toml with a few keys changed (the
+arm's recipe is written beside its run), run as its own `atelier mtp attach` process (`atelier
+pretrain` for the joint trunk, which attach refuses), then measured by `atelier mtp eval` on the
+held-out replies, on held-out code and on greedy continuations of it. Arms:
 
 - frozen: the recipe as it is (frozen trunk, heads from scratch, distilled on the first 8,192 ids);
 - frozen-short: the same at half the steps (the comparisons below are at this length);
@@ -57,10 +59,37 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+CORPUS = {"replies": ["--chat", "700", "--agent", "20"], "replies-heldout": ["--chat", "48", "--agent", "4",
+                                                                          "--split", "heldout"]}
+SMOKE_CORPUS = ["--chat", "4", "--agent", "1", "--max-tokens", "8"]
+
+
+def corpus(out: Path, smoke: bool) -> dict[str, Any]:
+    """The two reply files (written once: a rerun keeps them), and the seconds each took."""
+    from atelier.inference.models import resolve_or_build_tiny
+
+    out.mkdir(parents=True, exist_ok=True)
+    model = str(resolve_or_build_tiny("tiny", out)) if smoke else "smollm2-135m"   # the arms' "tiny" is the same
+    written: dict[str, Any] = {}
+    for name, options in CORPUS.items():
+        path = out / f"{name}.jsonl"
+        if not path.exists():
+            started = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "atelier.cli.main", "mtp", "generate", "--model", model,
+                            "--out", str(path), "--json",
+                            *(SMOKE_CORPUS + options[4:] if smoke else options)],
+                           check=True, capture_output=True, text=True, cwd=ROOT)
+            written[f"{name}_s"] = time.perf_counter() - started
+        written[name] = str(path)
+    return written
+
+
 def arm_recipe(base: dict[str, Any], arm: dict[str, Any], smoke: bool, out: Path) -> dict[str, Any]:
-    """The base recipe with the arm's changes (steps as a fraction of the base's)."""
+    """The base recipe with the arm's changes (steps as a fraction of the base's), distilling on
+    out/replies.jsonl."""
     recipe = json.loads(json.dumps(base))
     phase = recipe["phases"][0]
+    phase["chat"] = [str(out / "replies.jsonl")]
     phase["steps"] = max(2, round(phase["steps"] * arm.get("steps", 1.0)))
     if "lr" in arm:
         phase["lr"] = arm["lr"]
@@ -75,7 +104,7 @@ def arm_recipe(base: dict[str, Any], arm: dict[str, Any], smoke: bool, out: Path
         recipe["data"]["sources"][0]["include"] = ["json/*.py", "textwrap.py", "shlex.py", "bisect.py",
                                                    "colorsys.py", "string.py", "html/*.py"]
         recipe["data"]["heldout_fraction"] = 0.3
-        phase.update(steps=max(2, round(4 * arm.get("steps", 1.0))), seq_len=64)
+        phase.update(steps=max(2, round(4 * arm.get("steps", 1.0))), seq_len=256)
         recipe["mtp"].update(eval_every=2, eval_rows=1)
         if "draft_vocab" in recipe["mtp"]:   # the tiny model has 512 ids
             recipe["mtp"]["draft_vocab"] = 256
@@ -97,7 +126,8 @@ def run_arm(name: str, recipe: dict[str, Any], out: Path, eval_tokens: int, smok
     subprocess.run(command, check=True, capture_output=True, text=True, cwd=ROOT)
     wall_s = time.perf_counter() - started
     model = run_dir / "final" if joint else model_dir
-    evaluation = [cli + ["mtp", "eval", "--model", str(model), "--json", "--tokens", str(eval_tokens)]]
+    evaluation = [cli + ["mtp", "eval", "--model", str(model), "--json", "--tokens", str(eval_tokens),
+                         "--chat", str(out / "replies-heldout.jsonl")]]
     if smoke:
         evaluation[0] += ["--seq-len", "64", "--prompts", "2", "--prompt-len", "16", "--new-tokens", "8"]
     evaluated = json.loads(subprocess.run(evaluation[0], check=True, capture_output=True, text=True,
@@ -153,6 +183,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     base = tomllib.loads(Path(args.recipe).read_text())
     results_path = out / "results.json" if args.smoke else HERE / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {"arms": {}}
+    results["corpus"] = {**results.get("corpus", {}), **corpus(out, args.smoke)}
     for name in args.arms.split(","):
         recipe = arm_recipe(base, ARMS[name], args.smoke, out)
         results["arms"][name] = run_arm(name, recipe, out, args.eval_tokens, args.smoke)
@@ -160,6 +191,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         results_path.write_text(json.dumps(results, indent=1) + "\n")   # after each arm: a rerun keeps the rest
     plot(results, results_path.parent / "mtp_attach.png")
     print(json.dumps({name: {"wall_s": a["wall_s"], "tokens": a["tokens"],
+                             "chat": a["eval"]["chat"]["mean_accepted_length"],
                              "text": a["eval"]["text"]["mean_accepted_length"],
                              "greedy": (a["eval"]["greedy"] or {}).get("mean_accepted_length")}
                       for name, a in results["arms"].items()}))

@@ -18,7 +18,9 @@ def test_arm_recipes_change_only_what_the_arm_names(tmp_path) -> None:
     assert joint["phases"][0]["steps"] == round(base["phases"][0]["steps"] / 2)
     full = run.arm_recipe(base, run.ARMS["full-vocab"], False, tmp_path)
     assert "draft_vocab" not in full["mtp"] and base["mtp"]["draft_vocab"] == 8192
-    assert run.arm_recipe(base, run.ARMS["frozen"], False, tmp_path) == base
+    frozen = run.arm_recipe(base, run.ARMS["frozen"], False, tmp_path)
+    assert frozen["phases"][0].pop("chat") == [str(tmp_path / "replies.jsonl")]
+    assert {**base, "phases": [{k: v for k, v in base["phases"][0].items() if k != "chat"}]} == frozen
 
 
 def test_smoke_run_writes_results_and_a_plot(tmp_path) -> None:
@@ -30,5 +32,7 @@ def test_smoke_run_writes_results_and_a_plot(tmp_path) -> None:
         assert [p["step"] for p in arm["history"]][-1] == arm["steps"]
         assert all(p["train_s"] > 0 for p in arm["history"])
         assert 1.0 <= arm["eval"]["greedy"]["mean_accepted_length"] <= 4.0
+        assert arm["eval"]["chat"]["conversations"] == 5   # the held-out replies: 4 chats, 1 agent
     assert results["arms"]["joint"]["recipe"]["mtp"]["trunk"] == "joint"
+    assert results["corpus"]["replies_s"] > 0 and (tmp_path / "replies-heldout.jsonl").is_file()
     assert (tmp_path / "mtp_attach.png").stat().st_size > 0
