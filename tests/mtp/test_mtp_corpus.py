@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from atelier.harness.trajectory import Segment, Trajectory
 from atelier.pretrain.mtp_corpus import CorpusError, CorpusSpec, conversations, in_split, prompts, stdlib_functions
 from atelier.pretrain.sft_data import load_chat
 from tests.mtp.test_mtp_cli import _main
@@ -91,6 +92,22 @@ trunk = "frozen"
                             "--run-dir", str(tmp_path / "run"), "--json"], capsys)
     assert code == 0, err
     assert json.loads((tmp_path / "with-heads" / "mtp.json").read_text())["tokens_seen"] == 3 * 2 * 128
+
+    # measured on the replies and on a rollout's sampled tokens, without any code
+    rollouts = tmp_path / "rollouts"
+    rollouts.mkdir()
+    tokens = examples[0].token_ids
+    Trajectory(task_id="t", reward=0.0, segments=[Segment(token_ids=tokens, loss_mask=[0] * 8 + [1] * (len(tokens) - 8),
+                                                          logprobs=[0.0] * len(tokens))]).save(rollouts / "t.json")
+    code, out, err = _main(["mtp", "eval", "--model", str(tmp_path / "with-heads"),
+                            "--chat", str(replies), "--trajectories", str(rollouts), "--prompts", "0",
+                            "--device", "cpu", "--json"], capsys)
+    assert code == 0, err
+    results = json.loads(out)
+    assert results["chat"]["conversations"] == 6
+    assert results["chat"]["tokens"] == sum(sum(e.loss_mask) for e in examples)
+    assert results["rollouts"]["segments"] == 1 and results["rollouts"]["tokens"] == len(tokens) - 8
+    assert results["rollouts"]["starts"] > 0 and results["text"] is None
 
 
 def test_generate_refuses_bad_requests_before_loading_a_model(tmp_path, capsys) -> None:

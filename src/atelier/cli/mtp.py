@@ -123,6 +123,9 @@ def eval_cmd(
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 where the hardware has it), fp32 or bf16."),
     chats: List[Path] = typer.Option([], "--chat", help="Also measure on the assistant turns of these chats "
                                      "(JSONL, as atelier mtp generate --split heldout writes; repeat for several)."),
+    trajectories: List[Path] = typer.Option([], "--trajectories", help="Also measure on the sampled tokens of "
+                                            "these harness trajectories (a directory: an RL run's rollouts, "
+                                            "an evaluation's; repeat for several)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON result to this file."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object only."),
 ) -> None:
@@ -135,7 +138,8 @@ def eval_cmd(
 
     results = evaluate_heads(model, [str(r) for r in repos], tokens=tokens, seq_len=seq_len, prompts=prompts,
                              prompt_len=prompt_len, new_tokens=new_tokens, device=str(pick_device(device)),
-                             dtype=dtype, draft_vocab=draft_vocab, chats=[str(c) for c in chats])
+                             dtype=dtype, draft_vocab=draft_vocab, chats=[str(c) for c in chats],
+                             trajectories=[str(t) for t in trajectories])
     if out is not None:
         atomic_write(out, json.dumps(results, indent=1) + "\n")
     if as_json:
@@ -151,6 +155,9 @@ def eval_cmd(
     if results["chat"]:
         c = results["chat"]
         _echo_acceptance(f"chats ({c['conversations']} conversations, {c['tokens']} reply tokens)", c)
+    if results["rollouts"]:
+        r = results["rollouts"]
+        _echo_acceptance(f"rollouts ({r['segments']} segments, {r['tokens']} sampled tokens)", r)
 
 
 def _echo_acceptance(label: str, stats: dict) -> None:

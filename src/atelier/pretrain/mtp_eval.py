@@ -13,6 +13,8 @@ per row:
 - `chat` (with `chats`, JSONL files of {"messages": [...]}, as `atelier mtp generate --split
   heldout` writes): on the assistant turns of each conversation, the rest its context. On the
   model's own replies this is what speculation meets when it serves them.
+- `rollouts` (with `trajectories`, directories of harness trajectories: an RL run's rollouts,
+  an evaluation's): on each segment's sampled tokens, every reward counted.
 
 The repositories default to the held-out ones the training run recorded in mtp.json. A draft is
 the head's argmax over the first `draft_vocab` token ids (those the heads were distilled on, or
@@ -21,6 +23,7 @@ any other number asked for), compared with the model's argmax over the whole voc
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -32,14 +35,15 @@ from atelier.mtp.policy import MTPPolicyHead
 from atelier.mtp.store import load_mtp_heads
 from atelier.pretrain.modeling import load_model_and_tokenizer, resolve_model_path
 from atelier.pretrain.perplexity import EvalError, repo_text
-from atelier.pretrain.sft_data import load_chat
+from atelier.pretrain.sft_data import Example, load_chat, load_trajectories
 from atelier.train.devices import cpu_has_bf16
 
 
 def evaluate_heads(model_spec: str, repos: Sequence[str | Path] = (), *, tokens: int = 8192, seq_len: int = 1024,
                    prompts: int = 4, prompt_len: int = 256, new_tokens: int = 128,
                    include: Sequence[str] = ("**/*.py",), device: str = "cpu", dtype: str = "auto",
-                   draft_vocab: int | None = None, chats: Sequence[str | Path] = ()) -> dict[str, Any]:
+                   draft_vocab: int | None = None, chats: Sequence[str | Path] = (),
+                   trajectories: Sequence[str | Path] = ()) -> dict[str, Any]:
     """The acceptance measures of the heads in `model_spec` (see the module docstring). The heads
     draft from the first `draft_vocab` ids (None: those mtp.json says they were distilled on; 0: the
     whole vocabulary), as an engine that drafts from them would."""
@@ -50,11 +54,13 @@ def evaluate_heads(model_spec: str, repos: Sequence[str | Path] = (), *, tokens:
         raise MTPError(f"{model_dir} has no MTP heads (no mtp.json)",
                        hint="attach heads first: atelier mtp attach recipes/mtp-attach-smollm2.toml --out DIR")
     repos = [str(r) for r in repos] or list(heads.info.get("heldout_repos") or [])
-    if not repos and not chats:
+    if not repos and not chats and not trajectories:
         raise EvalError(f"no held-out code to measure {model_dir}'s heads on (mtp.json names none)",
-                        hint="pass --repo DIR (code the heads and the model did not train on) or --chat FILE")
+                        hint="pass --repo DIR (code the heads and the model did not train on), --chat FILE "
+                             "or --trajectories DIR")
     ids = _token_stream(tokenizer, repos, include, max(tokens, prompts * prompt_len))
     conversations = load_chat(chats, tokenizer)
+    segments = load_trajectories(trajectories, min_reward=-math.inf)
     compute = _compute_dtype(dtype, device)
     model.to(compute)
     heads.to(compute)
@@ -63,14 +69,14 @@ def evaluate_heads(model_spec: str, repos: Sequence[str | Path] = (), *, tokens:
     with torch.no_grad():
         text = _acceptance(policy, [_skipping(row, 1) for row in _rows(ids[:tokens], seq_len)], device) if ids else None
         greedy = _greedy(policy, ids, prompts, prompt_len, new_tokens, device) if ids else None
-        chat = _acceptance(policy, [(torch.tensor([e.token_ids]), torch.tensor([e.loss_mask]))
-                                    for e in conversations], device) if conversations else None
+        chat = _on_examples(policy, conversations, device)
+        rollouts = _on_examples(policy, segments, device)
     return {"model": str(model_dir), "heads": len(heads), "tokens_seen": heads.tokens_seen,
             "dtype": str(compute).removeprefix("torch."), "draft_vocab": vocab, "repos": repos,
             "training": heads.info,
             "text": text and {**text, "tokens": min(tokens, len(ids))}, "greedy": greedy,
-            "chat": chat and {**chat, "conversations": len(conversations),
-                              "tokens": sum(sum(e.loss_mask) for e in conversations)}}
+            "chat": chat and {**chat, "conversations": len(conversations)},
+            "rollouts": rollouts and {**rollouts, "segments": len(segments)}}
 
 
 def _token_stream(tokenizer, repos: Sequence[str], include: Sequence[str], limit: int) -> list[int]:
@@ -101,6 +107,14 @@ def _skipping(row: torch.Tensor, skip: int) -> tuple[torch.Tensor, torch.Tensor]
     mask = torch.ones_like(row)
     mask[:, :skip] = 0
     return row, mask
+
+
+def _on_examples(policy: MTPPolicyHead, examples: Sequence[Example], device: str) -> dict[str, Any] | None:
+    """Acceptance over the masked tokens of `examples` (None: there are none)."""
+    if not examples:
+        return None
+    rows = [(torch.tensor([e.token_ids]), torch.tensor([e.loss_mask])) for e in examples]
+    return {**_acceptance(policy, rows, device), "tokens": sum(sum(e.loss_mask) for e in examples)}
 
 
 def _acceptance(policy: MTPPolicyHead, rows: list[tuple[torch.Tensor, torch.Tensor]], device: str) -> dict[str, Any]:
