@@ -27,7 +27,6 @@ several now and then, so one step, or the median step, says nothing of what spec
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from typing import NamedTuple
 
@@ -140,12 +139,12 @@ class DraftHeads:
         return run.tokens[at] if at < len(run.tokens) else drafts[at - len(run.tokens)]
 
 
-PROBE_FIRST = 4.0     # seconds between probes after a switch, and after the first losing probe
-PROBE_LAST = 120.0    # the longest gap between probes of a kind that keeps losing
 GAIN = 0.9            # the other kind becomes current when its seconds per token are below this share
-FAR = 1.5             # a probe this many times slower per token backs the next one off 4x, not 2x
+FAR = 1.5             # a probe this many times slower per token backs the next one off 8x, not 2x
 COMPARED = 16         # the current kind's last steps a probe is compared with
 WARM_STEPS = 4        # plain steps at a batch size before its first probe of speculation
+FIRST_GAP = 64        # steps of the current kind between probes after a switch (and half the first loss's)
+LAST_GAP = 4096       # the longest gap between probes of a kind that keeps losing
 PROBE_STEPS = 8       # a probe covers this many sequence-steps (steps x batch) ...
 MIN_PROBE_STEPS = 4   # ... and at least this many steps (the longest is left out of its figure)
 
@@ -159,10 +158,13 @@ class SpeculationPolicy:
     Each batch size (in powers of two) starts with plain steps, the kind that cannot lose: a step
     of speculation costs more and only acceptance pays for it. After `WARM_STEPS` of them comes the
     first probe of speculation, a few steps long (more at batch 1, where one step's tokens vary
-    most); the faster kind per token stays. A probe of a kind that loses comes back after a gap
-    that doubles (quadruples where it lost by `FAR`) up to `PROBE_LAST`, so where speculation
-    does not pay it costs a few steps now and then, and where it does it is on within a few
-    dozen steps."""
+    most); the faster kind per token stays. Gaps between probes count that batch size's own steps
+    (not seconds: what else the engine ran in between says nothing of this batch size): after a
+    switch the other kind is probed `FIRST_GAP` steps later; a probe that loses doubles the gap
+    (multiplies it by 8 where it lost by `FAR`: that far from paying, soon again would be waste)
+    up to `LAST_GAP`. A probe also costs more than its steps: the heads first catch up on the
+    positions decoded without them (a whole prompt's, on a new request). So where speculation does not pay it
+    costs a few steps in a thousand, and where it does it is on within a few dozen steps."""
 
     MODES = ("auto", "always", "never")
 
@@ -171,8 +173,8 @@ class SpeculationPolicy:
         self.mode = "auto"
         self._current: dict[int, bool] = {}
         self._recent: dict[int, deque[tuple[float, int]]] = {}   # the current kind's (seconds, tokens)
-        self._next_probe: dict[int, float] = {}
-        self._gap: dict[int, float] = {}
+        self._countdown: dict[int, int] = {}                      # current-kind steps until the next probe
+        self._gap: dict[int, int] = {}
         self._probe: dict[int, list[tuple[float, int]]] = {}      # a running probe's steps
         self.switches = 0
 
@@ -199,10 +201,9 @@ class SpeculationPolicy:
             return True
         if batch > self.max_batch:
             return False
-        key, now = self.bucket(batch), time.monotonic()
+        key = self.bucket(batch)
         current = self._current.setdefault(key, False)
-        self._next_probe.setdefault(key, now)
-        if key not in self._probe and now >= self._next_probe[key] and len(self._recent.get(key, ())) >= WARM_STEPS:
+        if key not in self._probe and self._countdown.setdefault(key, WARM_STEPS) <= 0:
             self._probe[key] = []
         return not current if key in self._probe else current
 
@@ -213,6 +214,7 @@ class SpeculationPolicy:
         current = self._current.get(key, False)
         if speculated == current:
             self._recent.setdefault(key, deque(maxlen=COMPARED)).append((seconds, tokens))
+            self._countdown[key] = self._countdown.get(key, WARM_STEPS) - 1
             return
         probe = self._probe.get(key)
         if probe is None:
@@ -226,10 +228,7 @@ class SpeculationPolicy:
             self._current[key] = speculated
             self._recent[key] = deque(probe, maxlen=COMPARED)
             self.switches += 1
-            gap = PROBE_FIRST
-        elif key not in self._gap:
-            gap = PROBE_FIRST
+            gap = FIRST_GAP
         else:
-            gap = min(PROBE_LAST, (4 if ratio > FAR else 2) * self._gap[key])
-        self._gap[key] = gap
-        self._next_probe[key] = time.monotonic() + gap
+            gap = min(LAST_GAP, (8 if ratio > FAR else 2) * self._gap.get(key, FIRST_GAP // 2))
+        self._gap[key] = self._countdown[key] = gap
