@@ -4,10 +4,13 @@ One built-in engine over a model directory with MTP heads (`atelier mtp attach` 
 decodes the same requests with speculation off (`never`), forced on (`always`) and as the engine
 chooses (`auto`), interleaved: each batch size runs every mode before the next batch size, and the
 whole set is repeated (`--repeats`, at least 2). Workloads: chat prompts, greedy, `--new-tokens`
-each, at batch 1, 4, 16 and 32 (`--batches`); and the agent workload of inference.py (the harness's
+each, at batch 1, 4, 16 and 32 (`--batches`; below batch 8, 8 prompts a batch at a time, so a small
+batch is not one prompt's luck); and the agent workload of inference.py (the harness's
 real prompt, turns extended by replies and a tool output). Per mode: tokens/s (seconds for the
 agent), the load when it started, drafted and accepted tokens, mean accepted length (tokens a
-verifying step emits, its correction or bonus token included).
+verifying step emits, its correction or bonus token included). Per workload the summary also
+gives what a speculative step costs in plain steps (forced speculation's accepted length over its
+speed-up) and the accepted length a 1.5x speed-up would need at that cost.
 
 Checks, on an fp32 engine (exact arithmetic, so equality is meaningful): `greedy_identical` (every
 chat prompt's greedy tokens with and without speculation), and a two-sample test of sampled
@@ -34,13 +37,16 @@ from inference import agent_prompts, agents_run, chat_prompts  # noqa: E402
 MODES = ("never", "always", "auto")
 
 
-def stats_delta(engine, before: dict) -> dict:
+def stats_delta(engine, before: dict, tokens: int) -> dict:
+    """The engine's speculation counters over one measurement. A sequence's verifying step emits
+    1 + its accepted drafts, so the tokens emitted less the drafts accepted count the sequences'
+    steps, and tokens over those is the mean accepted length per sequence and step."""
     steps = engine.stats["speculative_steps"] - before["speculative_steps"]
     drafted = engine.stats["drafted"] - before["drafted"]
     accepted = engine.stats["accepted"] - before["accepted"]
     return {"speculative_steps": steps, "drafted": drafted, "accepted": accepted,
             "acceptance": round(accepted / drafted, 3) if drafted else None,
-            "mean_accepted_length": round(1 + accepted / steps, 3) if steps else None}
+            "mean_accepted_length": round(tokens / (tokens - accepted), 3) if steps and tokens > accepted else None}
 
 
 def measure(engine, mode: str, work) -> dict:
@@ -51,13 +57,23 @@ def measure(engine, mode: str, work) -> dict:
     tokens = work()
     seconds = time.perf_counter() - start
     return {"mode": mode, "load": load, "seconds": round(seconds, 3), "tokens": tokens,
-            "tokens_per_s": round(tokens / seconds, 1), **stats_delta(engine, before)}
+            "tokens_per_s": round(tokens / seconds, 1), **stats_delta(engine, before, tokens)}
 
 
-def throughput_work(engine, prompts, params):
+GROUP_PROMPTS = 8   # a batch size below this decodes this many prompts, a batch at a time
+
+
+def throughput_work(engine, prompts, batch: int, params):
+    """Decode `prompts` `batch` at a time (groups one after another); returns the tokens."""
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+
     def work():
-        return sum(len(h.result().token_ids) for h in [engine.submit(p, params) for p in prompts])
+        return sum(len(h.result().token_ids) for group in groups for h in [engine.submit(p, params) for p in group])
     return work
+
+
+def batch_prompts(chat: list, batch: int) -> list:
+    return chat[:max(batch, GROUP_PROMPTS)]
 
 
 def agent_work(engine, prompts, turns: int, turn_tokens: int):
@@ -78,6 +94,11 @@ def summarize(runs: list[dict]) -> dict:
                     "mean_accepted_length": statistics.median(acc) if acc else None,
                     "speedup_always": round(med["always"] / med["never"], 2),
                     "speedup_auto": round(med["auto"] / med["never"], 2)}
+        if acc:
+            # forced speculation's speed-up is (accepted length) / (step cost, in plain steps): so the
+            # cost of a speculative step, and the accepted length 1.5x would need at that cost
+            cost = statistics.median(acc) / out[key]["speedup_always"]
+            out[key].update(speculative_step_cost=round(cost, 2), length_for_1_5x=round(1.5 * cost, 2))
         if max(loads) - min(loads) > 1:
             out[key]["speedup_refused"] = "loads differ by more than 1"
     return out
@@ -142,10 +163,10 @@ def main() -> None:
     with LocalEngine(model, speculate=True, max_batch=max(batches)) as engine:
         report["dtype"] = str(engine.dtype).removeprefix("torch.")
         report["heads"] = read_mtp_meta(model)["heads"]
-        chat = chat_prompts(engine.tokenizer, max(batches))
+        chat = chat_prompts(engine.tokenizer, max(max(batches), GROUP_PROMPTS))
         params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, stop_token_ids=(-1,))
         agents = agent_prompts(engine.tokenizer, args.agents)
-        work = {f"batch_{b}": throughput_work(engine, chat[:b], params) for b in batches}
+        work = {f"batch_{b}": throughput_work(engine, batch_prompts(chat, b), b, params) for b in batches}
         work["agent"] = agent_work(engine, agents, args.turns, args.turn_tokens)
         for mode in MODES:   # warm-up: compiled kernels and the policy's first measurements
             for w in work.values():
