@@ -18,7 +18,7 @@ tokens at T=0.7 (the first two tokens of `--samples` seeded completions of one p
 chi-square test of homogeneity that should not reject: p > 0.01).
 
     python benchmarks/speculative.py --model ~/.cache/atelier/models/smollm2-135m-mtp \
-        [--batches 1,4,16,32] [--new-tokens 64] [--repeats 2] [--samples 300] [--no-save]
+        [--batches 1,4,16,32] [--new-tokens 64] [--repeats 2] [--samples 300] [--threads 2] [--no-save]
 """
 
 from __future__ import annotations
@@ -148,6 +148,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--turn-tokens", type=int, default=32)
     parser.add_argument("--samples", type=int, default=300)
+    parser.add_argument("--threads", type=int, default=None, help="pin the engine's CPU threads (default: it "
+                        "chooses per batch size as it runs; a pinned count keeps that choice out of the comparison)")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
     if args.repeats < 2:
@@ -159,8 +161,8 @@ def main() -> None:
     model = Path(args.model).expanduser()
     batches = [int(b) for b in args.batches.split(",")]
     report = {"benchmark": "speculative", **record.stamp(), "model": str(model), "batches": batches,
-              "new_tokens": args.new_tokens, "repeats": args.repeats}
-    with LocalEngine(model, speculate=True, max_batch=max(batches)) as engine:
+              "new_tokens": args.new_tokens, "repeats": args.repeats, "threads": args.threads}
+    with LocalEngine(model, speculate=True, max_batch=max(batches), threads=args.threads) as engine:
         report["dtype"] = str(engine.dtype).removeprefix("torch.")
         report["heads"] = read_mtp_meta(model)["heads"]
         chat = chat_prompts(engine.tokenizer, max(max(batches), GROUP_PROMPTS))
