@@ -63,17 +63,15 @@ def measure(engine, mode: str, work) -> dict:
 GROUP_PROMPTS = 8   # a batch size below this decodes this many prompts, a batch at a time
 
 
-def throughput_work(engine, prompts, batch: int, params):
-    """Decode `prompts` `batch` at a time (groups one after another); returns the tokens."""
+def throughput_work(engine, chat, batch: int, params):
+    """Decode the first max(batch, GROUP_PROMPTS) of `chat`, `batch` at a time (groups one after
+    another); returns the tokens."""
+    prompts = chat[:max(batch, GROUP_PROMPTS)]
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
 
     def work():
         return sum(len(h.result().token_ids) for group in groups for h in [engine.submit(p, params) for p in group])
     return work
-
-
-def batch_prompts(chat: list, batch: int) -> list:
-    return chat[:max(batch, GROUP_PROMPTS)]
 
 
 def agent_work(engine, prompts, turns: int, turn_tokens: int):
@@ -168,7 +166,7 @@ def main() -> None:
         chat = chat_prompts(engine.tokenizer, max(max(batches), GROUP_PROMPTS))
         params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, stop_token_ids=(-1,))
         agents = agent_prompts(engine.tokenizer, args.agents)
-        work = {f"batch_{b}": throughput_work(engine, batch_prompts(chat, b), b, params) for b in batches}
+        work = {f"batch_{b}": throughput_work(engine, chat, b, params) for b in batches}
         work["agent"] = agent_work(engine, agents, args.turns, args.turn_tokens)
         for mode in MODES:   # warm-up: compiled kernels and the policy's first measurements
             for w in work.values():

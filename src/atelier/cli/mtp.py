@@ -73,8 +73,8 @@ def generate_cmd(
                               "(a directory, or a name atelier models pull knows)."),
     out: Path = typer.Option(..., "--out", help="The JSONL file to write: one chat per line, the chat "
                              "files of an sft phase."),
-    chat: int = typer.Option(1500, "--chat", min=0, help="Chat requests to reply to."),
-    agent: int = typer.Option(100, "--agent", min=0, help="Harness prompts (system prompt, tools, a task) "
+    chat: int = typer.Option(700, "--chat", min=0, help="Chat requests to reply to."),
+    agent: int = typer.Option(20, "--agent", min=0, help="Harness prompts (system prompt, tools, a task) "
                               "to reply to."),
     max_tokens: int = typer.Option(160, "--max-tokens", min=1, help="Tokens per reply at most."),
     temperatures: List[float] = typer.Option([0.0, 0.7], "--temperature", help="Sampling temperatures, "
@@ -95,8 +95,6 @@ def generate_cmd(
 
     spec = CorpusSpec(chat=chat, agent=agent, max_tokens=max_tokens, temperatures=tuple(temperatures), seed=seed,
                       split=split)
-    if chat + agent == 0:
-        raise typer.BadParameter("nothing to generate: --chat and --agent are both 0", param_hint="--chat")
     with LocalEngine(resolve_model_path(model), max_batch=max_batch, speculate=False) as engine, \
             Progress(disable=as_json, transient=True) as progress:
         task = progress.add_task("replies", total=chat + agent)

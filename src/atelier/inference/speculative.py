@@ -163,8 +163,9 @@ class SpeculationPolicy:
     switch the other kind is probed `FIRST_GAP` steps later; a probe that loses doubles the gap
     (multiplies it by 8 where it lost by `FAR`: that far from paying, soon again would be waste)
     up to `LAST_GAP`. A probe also costs more than its steps: the heads first catch up on the
-    positions decoded without them (a whole prompt's, on a new request). So where speculation does not pay it
-    costs a few steps in a thousand, and where it does it is on within a few dozen steps."""
+    positions decoded without them (a whole prompt's, on a new request). So where speculation
+    does not pay it costs a few steps in a thousand, and where it does it is on within a few
+    dozen steps."""
 
     MODES = ("auto", "always", "never")
 

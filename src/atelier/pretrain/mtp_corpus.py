@@ -117,31 +117,31 @@ def prompts(kind: str, count: int, seed: int = 0, functions: Sequence[Function] 
                           hint="run with a Python whose standard library has its .py sources")
     random.Random(f"{seed}:{kind}").shuffle(pool)
     templates = CHAT_TEMPLATES if kind == "chat" else AGENT_TEMPLATES
+    tools = default_tools() if kind == "agent" else None
     out = []
     for i in range(count):
         fn = pool[i % len(pool)]
         text = templates[i % len(templates)].format(module=fn.module, name=fn.name, args=fn.args, doc=fn.doc,
                                                     path=fn.path)
-        out.append(_agent_messages(text) if kind == "agent" else [{"role": "user", "content": text}])
+        out.append(build_messages(tools, text) if tools else [{"role": "user", "content": text}])
     return out
-
-
-def _agent_messages(task: str) -> list[dict[str, str]]:
-    return build_messages(default_tools(), task)
 
 
 @dataclass(frozen=True)
 class CorpusSpec:
     """What `generate` asks the model for."""
 
-    chat: int = 1500
-    agent: int = 100
+    chat: int = 700
+    agent: int = 20
     max_tokens: int = 160
     temperatures: tuple[float, ...] = (0.0, 0.7)
     seed: int = 0
     split: str = "train"
 
     def __post_init__(self) -> None:
+        if self.chat < 0 or self.agent < 0 or self.chat + self.agent == 0:
+            raise CorpusError(f"nothing to generate: {self.chat} chat and {self.agent} agent prompts",
+                              hint="ask for some: --chat N, --agent N")
         if not self.temperatures or any(t < 0 for t in self.temperatures):
             raise CorpusError(f"temperatures {self.temperatures} must be one or more numbers >= 0",
                               hint="e.g. --temperature 0 --temperature 0.7")
