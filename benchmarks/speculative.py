@@ -28,6 +28,7 @@ import json
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -53,11 +54,14 @@ def measure(engine, mode: str, work) -> dict:
     engine.speculation.mode = mode
     engine.clear_prefix_cache()
     before, load = dict(engine.stats), record.load()
+    depths = Counter(engine.speculation.chosen)
     start = time.perf_counter()
     tokens = work()
     seconds = time.perf_counter() - start
+    depths = {d: n for d, n in sorted((engine.speculation.chosen - depths).items())}
     return {"mode": mode, "load": load, "seconds": round(seconds, 3), "tokens": tokens,
-            "tokens_per_s": round(tokens / seconds, 1), **stats_delta(engine, before, tokens)}
+            "tokens_per_s": round(tokens / seconds, 1), "steps_by_depth": depths,
+            **stats_delta(engine, before, tokens)}
 
 
 GROUP_PROMPTS = 8   # a batch size below this decodes this many prompts, a batch at a time

@@ -3,6 +3,7 @@ logprobs and versions as plain decoding, and off where it does not pay."""
 
 from __future__ import annotations
 
+import random
 import shutil
 import threading
 
@@ -13,7 +14,7 @@ from scipy.stats import chisquare
 
 from atelier.inference.engine import EngineError, LocalEngine
 from atelier.inference.sampling import make_generator, speculative_accept
-from atelier.inference.speculative import WARM_STEPS, SpeculationPolicy
+from atelier.inference.speculative import WARM_STEPS, HeadProgress, SpeculationPolicy
 from atelier.inference.types import SamplingParams
 from atelier.mtp.heads import MTPHeads
 from atelier.mtp.store import save_mtp_heads
@@ -208,68 +209,170 @@ def test_stop_sequences_and_max_tokens_cut_accepted_drafts(agreeing_dir):
     assert short.token_ids == ref[:5] and short.finish_reason == "length"
 
 
-def _steps(policy: SpeculationPolicy, batch: int, plain: tuple[float, int], speculative: tuple[float, list[int]],
-           steps: int) -> list[bool]:
-    """`steps` steps as the engine takes them: choose, then record (seconds, tokens) of the kind
-    chosen; a speculative step's tokens cycle through `speculative[1]`. Returns the choices."""
+def _steps(policy: SpeculationPolicy, batch: int, costs: dict[int, float], acceptance: list[float], steps: int,
+           seed: int = 0) -> list[int]:
+    """`steps` steps as the engine takes them: choose a depth, verify each of the `batch` sequences'
+    drafts (head j kept with probability `acceptance[j]` once the drafts before it are), record the
+    step's seconds (`costs[depth]`). Returns the depths chosen."""
+    rng = random.Random(seed)
     chosen = []
-    for i in range(steps):
-        speculated = policy.choose(batch)
-        seconds, tokens = (speculative[0], speculative[1][i % len(speculative[1])]) if speculated else plain
-        policy.record(speculated, batch, seconds, tokens)
-        chosen.append(speculated)
+    for _ in range(steps):
+        depth = policy.choose(batch)
+        for _ in range(batch if depth else 0):
+            kept = 0
+            while kept < depth and rng.random() < acceptance[kept]:
+                kept += 1
+            policy.observe(depth, kept)
+        policy.record(depth, batch, costs[depth])
+        chosen.append(depth)
     return chosen
 
 
+# batch 4 on a CPU: each head's pass and each verified draft cost about a tenth of a plain step
+SMALL_BATCH = {0: 0.012, 1: 0.0145, 2: 0.017, 3: 0.0195}
+
+
 def test_policy_starts_plain_and_keeps_the_faster_kind_of_step():
-    """At batch 4 speculation costs 7.5 ms a token and plain decoding 3: one short probe of
-    speculation, then plain steps, the next probe only after many more of them."""
-    policy = SpeculationPolicy(True, max_batch=16)
-    assert not policy.choose(32)                              # above max_batch: never
-    chosen = _steps(policy, 4, (0.012, 4), (0.030, [4]), 100)
-    assert chosen[:WARM_STEPS] == [False] * WARM_STEPS         # plain first: it cannot lose
-    assert sum(chosen) == SpeculationPolicy.probe_steps(4)     # one probe
-    assert policy.switches == 0 and not policy.choose(4)
-    assert not SpeculationPolicy(False, 16).choose(1)
+    """Heads that guess one time in five: one short probe of every head, then plain steps, the
+    next probe only after many more of them."""
+    policy = SpeculationPolicy(3, max_batch=16)
+    assert policy.choose(32) == 0                              # above max_batch: never
+    chosen = _steps(policy, 4, SMALL_BATCH, [0.2, 0.2, 0.2], 60)
+    assert chosen[:WARM_STEPS] == [0] * WARM_STEPS              # plain first: it cannot lose
+    assert chosen[WARM_STEPS] == 3                              # the first probe runs every head
+    assert sum(1 for d in chosen if d) == SpeculationPolicy.probe_steps(4)     # one probe
+    assert policy.switches == 0 and policy.choose(4) == 0
+    assert SpeculationPolicy(0, 16).choose(1) == 0
+    policy.mode = "always"
+    assert policy.choose(32) == 3
 
 
-def test_policy_judges_speculation_by_its_tokens_over_its_seconds():
-    """At batch 1 a speculative step emits one token most of the time (a step 1.2x a plain one)
-    and four now and then: its median step loses to plain decoding, its total wins. The policy
-    switches to speculation within its first probe, and later probes of plain steps do not talk it
-    out of it."""
-    policy = SpeculationPolicy(True, max_batch=16)
-    first = _steps(policy, 1, (0.010, 1), (0.012, [4, 1, 1]), 40)   # 2 tokens a step: 6 ms a token
-    assert policy.switches == 1 and all(first[-20:])
-    later = _steps(policy, 1, (0.010, 1), (0.012, [4, 1, 1]), 1000)  # with probes of plain steps in it
-    assert not all(later) and policy.choose(1) and policy.switches == 1
+def test_policy_picks_the_depth_that_pays_best():
+    """Where the first head guesses well and the later ones badly, one draft a step emits the most
+    tokens per second: the policy finds it without measuring every depth for long, and stays there
+    through its later probes."""
+    policy = SpeculationPolicy(3, max_batch=16)
+    chosen = _steps(policy, 4, SMALL_BATCH, [0.7, 0.1, 0.1], 200)
+    assert policy.current(4) == 1 and chosen[-40:].count(1) >= 36
+    later = _steps(policy, 4, SMALL_BATCH, [0.7, 0.1, 0.1], 2000, seed=1)
+    assert policy.current(4) == 1 and later.count(1) > 0.95 * len(later)
+    assert set(later) > {1}                                     # it kept probing the others
+
+
+def test_policy_goes_deeper_when_every_head_guesses_well():
+    policy = SpeculationPolicy(3, max_batch=16)
+    _steps(policy, 1, {0: 0.010, 1: 0.0112, 2: 0.0124, 3: 0.0136}, [0.8, 0.8, 0.8], 100)
+    assert policy.current(1) == 3 and policy.switches == 1
+
+
+def test_policy_judges_speculation_by_its_acceptance_not_a_few_steps_tokens():
+    """At batch 1 a speculative step emits one token most of the time and several now and then: a
+    probe's own few steps may have only the ones. The acceptance over every verified draft says
+    what the steps yield, and a later run of bad luck does not talk the policy out of it."""
+    policy = SpeculationPolicy(1, max_batch=16)
+    policy.acceptance.tried, policy.acceptance.kept = [200.0], [120.0]      # heads that were seen to guess
+    _steps(policy, 1, {0: 0.010, 1: 0.012}, [0.0], WARM_STEPS + 1)            # a probe that drew only misses
+    assert policy.choose(1) == 1
+    _steps(policy, 1, {0: 0.010, 1: 0.012}, [0.6], 400)
+    assert policy.current(1) == 1 and policy.switches == 1
+
+
+def test_policy_follows_the_heads_drift_back_to_plain_steps():
+    """Heads that stop guessing (RL moved the policy away from them): the acceptance follows within
+    a few hundred drafts and the policy returns to plain steps."""
+    policy = SpeculationPolicy(2, max_batch=16)
+    _steps(policy, 8, {0: 0.016, 1: 0.019, 2: 0.022}, [0.8, 0.8], 200)
+    assert policy.current(8) == 2
+    _steps(policy, 8, {0: 0.016, 1: 0.019, 2: 0.022}, [0.02, 0.02], 400)
+    assert policy.current(8) == 0 and policy.acceptance.rates()[0] < 0.1
 
 
 def test_one_step_that_built_a_kernel_does_not_decide_a_probe():
     """The first speculative steps at a batch size compile the verification graphs: one such
     step, seconds long, must not make plain decoding look faster than speculation that pays."""
-    policy = SpeculationPolicy(True, max_batch=16)
-    _steps(policy, 1, (0.010, 1), (0.012, [2]), WARM_STEPS)
-    assert policy.choose(1)
-    policy.record(True, 1, 3.0, 2)                            # the compile: the probe's first step
-    _steps(policy, 1, (0.010, 1), (0.012, [2]), 20)           # then 6 ms a token
-    assert policy.choose(1) and policy.switches == 1
-    assert SpeculationPolicy.per_token([(1.0, 1)]) == 1.0 and SpeculationPolicy.per_token([]) == 0.0
+    policy = SpeculationPolicy(1, max_batch=16)
+    _steps(policy, 1, {0: 0.010, 1: 0.012}, [0.8], WARM_STEPS)
+    assert policy.choose(1) == 1
+    policy.observe(1, 1)
+    policy.record(1, 1, 3.0)                                    # the compile: the probe's first step
+    _steps(policy, 1, {0: 0.010, 1: 0.012}, [0.8], 20)
+    assert policy.current(1) == 1 and policy.switches == 1
+    assert SpeculationPolicy.typical_cost([1.0]) == 1.0 and SpeculationPolicy.typical_cost([]) == 0.0
 
 
 def test_speculation_that_loses_costs_a_few_steps_now_and_then():
     """At batch 16 a speculative step costs 2.5x a plain one for 1.25x the tokens: over the first
     500 steps the probes take under 3% of them, over 30,000 under 0.5%; other batch sizes' steps
     in between do not bring a probe sooner."""
-    policy = SpeculationPolicy(True, max_batch=16)
-    chosen = _steps(policy, 16, (0.020, 16), (0.050, [20]), 500)
-    assert sum(chosen) / len(chosen) < 0.03
+    policy = SpeculationPolicy(3, max_batch=16)
+    costs = {0: 0.020, 1: 0.030, 2: 0.040, 3: 0.050}
+    chosen = _steps(policy, 16, costs, [0.2, 0.1, 0.1], 500)
+    assert sum(1 for d in chosen if d) / len(chosen) < 0.03
     for _ in range(100):
-        _steps(policy, 1, (0.010, 1), (0.020, [1]), 50)     # batch 1 runs between them: no probe at 16
-        assert not policy.choose(16)
-        policy.record(False, 16, 0.020, 16)
-    chosen += _steps(policy, 16, (0.020, 16), (0.050, [20]), 30_000)
-    assert policy.switches == 0 and sum(chosen) / len(chosen) < 0.005
+        _steps(policy, 1, {0: 0.010, 1: 0.015, 2: 0.020, 3: 0.025}, [0.1, 0.1, 0.1], 50)
+        assert policy.choose(16) == 0                          # batch 1 ran between them: no probe at 16
+        policy.record(0, 16, 0.020)
+    chosen += _steps(policy, 16, costs, [0.2, 0.1, 0.1], 30_000)
+    assert policy.switches == 0 and sum(1 for d in chosen if d) / len(chosen) < 0.005
+
+
+class ScriptedPolicy(SpeculationPolicy):
+    """The depths of `script` step after step, then its last one for ever."""
+
+    def __init__(self, depth: int, script: list[int]) -> None:
+        super().__init__(depth, max_batch=16)
+        self.script = list(script)
+
+    def choose(self, batch: int) -> int:
+        return self.script.pop(0) if len(self.script) > 1 else self.script[0]
+
+
+def _head_keys(path, script: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+    """One greedy generation under `script`; its tokens, and each head's cached keys of its positions."""
+    with LocalEngine(path, dtype="float32", compile=False, speculate=True) as engine:
+        heads = len(engine._heads)
+        engine._speculation = ScriptedPolicy(heads, script)
+        kept = {}
+        release = engine._release
+
+        def keep(request):
+            kept["rows"] = engine._forward.kv.rows(request.blocks, 0, request.length)
+            release(request)
+
+        engine._release = keep
+        out = engine.generate(PROMPTS[2], SamplingParams(max_tokens=60, temperature=0.0, stop_token_ids=(-1,)))
+        first = len(engine._forward.layers)
+        rows = torch.tensor(kept["rows"])
+        keys = [engine._forward.kv.k_LHRD[first + k][:, rows].clone() for k in range(heads)]
+    return out.token_ids, keys
+
+
+def test_heads_catch_up_on_positions_decoded_without_them(heads_dir):
+    """Plain steps, then steps with fewer drafts than heads, then every head: in the end each head
+    holds the keys it would have had with every head on every step (the skipped positions' hidden
+    states waited for it), so stepping in and out of speculation costs no acceptance after."""
+    script = [2] * 3 + [0] * 12 + [1] * 6 + [2]
+    tokens, keys = _head_keys(heads_dir, script)
+    want_tokens, want = _head_keys(heads_dir, [2])
+    assert tokens == want_tokens
+    done = min(k.shape[1] for k in keys + want) - 8      # the last steps' keys may still be provisional
+    for got_k, want_k in zip(keys, want):
+        torch.testing.assert_close(got_k[:, :done], want_k[:, :done], rtol=1e-4, atol=1e-4)
+
+
+def test_head_progress_keeps_a_bounded_backlog(monkeypatch):
+    monkeypatch.setattr("atelier.inference.speculative.MAX_BACKLOG", 8)
+    progress = HeadProgress(3)
+    progress.extend(5, torch.zeros(4, 2))                    # a prompt's positions 5..8
+    progress.ran(3, 8)
+    assert progress.redo == [9, 8, 7] and progress.first == 7
+    for position in range(9, 20):                            # plain steps: no head runs
+        progress.extend(position, torch.full((1, 2), float(position)))
+    start, hidden = progress.pending(3)
+    assert hidden.shape[0] == 8 and start == progress.first == 12    # the oldest rows dropped
+    assert hidden[:, 0].tolist() == list(range(12, 20))
+    progress.ran(1, 19)                                      # only the first head ran
+    assert progress.redo == [20, 12, 12] and progress.pending(3)[0] == 12
 
 
 def test_vllm_refuses_heads_it_cannot_load(heads_dir):

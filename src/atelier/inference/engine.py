@@ -100,7 +100,7 @@ from atelier.errors import AtelierError, InfraError
 from atelier.inference.forward import BatchedForward
 from atelier.inference.prefix_cache import BlockPool
 from atelier.inference.sampling import make_generator, most_likely, sample_rows, speculative_accept, tempered
-from atelier.inference.speculative import DraftHeads, DraftRun, SpeculationPolicy
+from atelier.inference.speculative import DraftHeads, DraftRun, HeadProgress, SpeculationPolicy
 from atelier.inference.threads import StepThreads
 from atelier.inference.threads import threads as running_on
 from atelier.inference.types import DEFAULT_KV_CACHE_TOKENS, DEFAULT_PREFIX_CACHE_TOKENS, Generation, SamplingParams
@@ -151,11 +151,10 @@ class _Request:
     finish_reason: str | None = None
     error: BaseException | None = None
     # speculative decoding (speculative.py): the MTP heads' guesses of the next tokens, the
-    # distributions they were drawn from (sampled requests), and the model's hidden state at the
-    # last position the heads ran over (their next pass starts there again)
+    # distributions they were drawn from (sampled requests), and how far each head has run
     drafts: list[int] = field(default_factory=list)
     draft_probs: list[torch.Tensor] | None = None
-    head_tail: torch.Tensor | None = None
+    heads: HeadProgress | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -316,7 +315,7 @@ class LocalEngine:
         self._forward = BatchedForward(self.model, blocks, KV_BLOCK, compile=compile,
                                        extra_kv_layers=len(mtp.heads) if mtp is not None else 0)
         self._heads = DraftHeads(mtp, self._forward) if mtp is not None else None
-        self._speculation = SpeculationPolicy(self._heads is not None, speculate_max_batch)
+        self._speculation = SpeculationPolicy(len(self._heads) if self._heads is not None else 0, speculate_max_batch)
         self.pool = BlockPool(blocks, KV_BLOCK, 0 if self.batch_invariant else prefix_cache_tokens // KV_BLOCK)
         self._targets = self.model.state_dict()
         eos = self.tokenizer.eos_token_id
@@ -358,7 +357,7 @@ class LocalEngine:
 
     @property
     def speculation(self) -> SpeculationPolicy:
-        """The policy that decides per step whether to speculate; its `mode` ("auto", "always",
+        """The policy that decides per step whether to speculate, and with how many heads; its `mode` ("auto", "always",
         "never") may be set between requests."""
         return self._speculation
 
@@ -630,9 +629,14 @@ class LocalEngine:
         if sampling:
             self._take([admitted[b] for b in sampling], logits_BV[sampling] if len(sampling) < len(admitted)
                        else logits_BV)
-        if drafting:
+        if drafting:   # every head over the prompt: its keys are there for whichever depth comes next
             running = {id(r) for r in self._active}
-            self._draft([(r, hidden[b], starts[b]) for b, r in enumerate(admitted) if id(r) in running])
+            todo = [r for r in admitted if id(r) in running]
+            for b, request in enumerate(admitted):
+                if id(request) in running:
+                    request.heads = HeadProgress(len(self._heads))
+                    request.heads.extend(starts[b], hidden[b])
+            self._draft(todo, len(self._heads))
 
     @staticmethod
     def _scores(request: _Request) -> bool:
@@ -668,7 +672,7 @@ class LocalEngine:
         self._active.remove(request)
         self._release(request)
         request.length = 0
-        request.drafts, request.draft_probs, request.head_tail = [], None, None
+        request.drafts, request.draft_probs, request.heads = [], None, None
         self.stats["preemptions"] += 1
         with self._cond:
             self._waiting.insert(0, request)
@@ -677,28 +681,31 @@ class LocalEngine:
         """One decode step over every running request, speculative where the policy says so;
         True when it was a plain one."""
         batch = len(self._active)
-        if self._speculation.choose(batch):
-            warm = all(r.drafts for r in self._active)
+        depth = self._speculation.choose(batch)
+        if depth:
             started = time.perf_counter()
-            emitted = self._speculate()
-            if warm:   # a step without drafts is a plain step plus the heads: not what speculation costs
-                self._speculation.record(True, batch, time.perf_counter() - started, emitted)
+            if self._speculate(depth):
+                self._speculation.record(depth, batch, time.perf_counter() - started)
             return False
         started = time.perf_counter()
         self._plain_decode()
-        self._speculation.record(False, batch, time.perf_counter() - started, batch)
+        self._speculation.record(0, batch, time.perf_counter() - started)
         return True
 
     def _plain_decode(self) -> None:
         self._grow()
         active = self._active
-        for request in active:   # the heads do not follow plain steps: their drafts go stale
-            request.drafts, request.draft_probs, request.head_tail = [], None, None
         if self.batch_invariant:
             logits_BV = torch.cat([self._forward.decode([r.token_ids[-1]], [r.length], [r.blocks]) for r in active])
-        else:
+        elif self._heads is None:
             logits_BV = self._forward.decode([r.token_ids[-1] for r in active], [r.length for r in active],
                                              [r.blocks for r in active])
+        else:   # the heads do not run on plain steps: their drafts go stale, the positions wait for them
+            logits_BV, hidden_BM = self._forward.decode_keeping(
+                [r.token_ids[-1] for r in active], [r.length for r in active], [r.blocks for r in active])
+            for request, hidden_1M in zip(active, hidden_BM[:, None]):
+                request.drafts, request.draft_probs = [], None
+                request.heads.extend(request.length, hidden_1M)
         self.stats["steps"] += 1
         self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(active))
         for request in active:
@@ -733,15 +740,19 @@ class LocalEngine:
             self._end(request, reason)
         return bool(reason)
 
-    def _speculate(self) -> int:
+    def _speculate(self, depth: int) -> bool:
         """One speculative step (speculative.py): verify every running request's last token and
-        drafts in one pass, emit what `speculative_accept` keeps, draft again. Returns the tokens
-        emitted."""
-        active = list(self._active)
+        first `depth` drafts in one pass, emit what `speculative_accept` keeps, draft `depth` again.
+        Returns whether every request had its drafts: a step without them is a plain step plus the
+        heads, not what speculation at `depth` costs."""
+        active, full = list(self._active), True
         for request in active:   # never draft past what the request may still emit
             room = min(request.params.max_tokens - len(request.token_ids),
                        self.max_seq_len - len(request.context)) - 1
-            request.drafts = request.drafts[:max(0, room)]
+            full = full and len(request.drafts) >= min(depth, max(0, room))
+            request.drafts = request.drafts[:max(0, min(depth, room))]
+            if request.draft_probs is not None:
+                request.draft_probs = request.draft_probs[:len(request.drafts)]
         self._grow()
         active = list(self._active)
         logits_NV, hidden_NM = self._forward.verify([(r.context + r.drafts, r.length, r.blocks) for r in active])
@@ -749,7 +760,7 @@ class LocalEngine:
         self.stats["steps"] += 1
         self.stats["speculative_steps"] += 1
         self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(active))
-        version, at, emitted, todo = self._version, 0, 0, []
+        version, at, todo = self._version, 0, []
         for request in active:
             k, p = len(request.drafts) + 1, request.params
             rows_KV = logits_NV[at:at + k]
@@ -759,31 +770,28 @@ class LocalEngine:
                 if p.top_logprobs else [None] * len(out)
             self.stats["drafted"] += len(request.drafts)
             self.stats["accepted"] += len(out) - 1
-            start = request.length - 1 if request.head_tail is not None else request.length
-            verified = hidden_NM[at:at + len(out)]
-            hidden = verified if request.head_tail is None else torch.cat([request.head_tail, verified])
+            self._speculation.observe(len(request.drafts), len(out) - 1)
+            request.heads.extend(request.length, hidden_NM[at:at + len(out)])
             request.length += len(out)
             at += k
-            finished = False
             for (token, logprob), top in zip(out, tops):
-                emitted += 1
                 if self._append(request, token, logprob, version, top):
-                    finished = True
-                    break
-            if not finished:
-                todo.append((request, hidden, start))
-        self._draft(todo)
-        return emitted
+                    break   # it finished: nothing to draft
+            else:
+                todo.append(request)
+        self._draft(todo, depth)
+        return full
 
-    def _draft(self, todo: list[tuple[_Request, torch.Tensor, int]]) -> None:
-        """Run the heads over each `(request, hidden states, first position)` and keep their drafts."""
+    def _draft(self, todo: list[_Request], depth: int) -> None:
+        """Run the first `depth` heads over the positions each request's heads have yet to run
+        over (`HeadProgress`) and keep their drafts."""
         if not todo:
             return
         runs = [DraftRun(hidden, r.context, start, r.blocks, r.params.temperature, r.generator)
-                for r, hidden, start in todo]
-        for (request, hidden, _), drafted in zip(todo, self._heads.draft(runs)):
+                for r in todo for start, hidden in [r.heads.pending(depth)]]
+        for request, run, drafted in zip(todo, runs, self._heads.draft(runs, depth)):
             request.drafts, request.draft_probs = drafted.tokens, drafted.probs
-            request.head_tail = hidden[-1:]
+            request.heads.ran(depth, run.start + len(run.hidden_nM) - 1)
 
     def _finish_reason(self, request: _Request, token: int) -> str | None:
         if token in request.stop_ids:

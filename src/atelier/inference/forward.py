@@ -585,6 +585,13 @@ class BatchedForward:
         return self._logits(self._decode_rows(tokens, positions, tables))
 
     @torch.inference_mode()
+    def decode_keeping(self, tokens: list[int], positions: list[int], tables: list[list[int]]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`decode`, also returning the final hidden states [B, M] (the MTP heads' input)."""
+        h_BM = self._decode_rows(tokens, positions, tables)
+        return self._logits(h_BM), h_BM
+
+    @torch.inference_mode()
     def verify(self, seqs: list[tuple[list[int], int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions `start:` of each `(tokens, start, table)` (a speculative step's last token and
         drafts) computed as one decode step whose rows of a sequence see each other causally;

@@ -17,17 +17,23 @@ from a draft that was then rejected is recomputed on the next pass (each pass st
 back), so the heads' keys always describe the sequence as it is. Drafts only ever propose: a wrong
 or stale head key lowers acceptance, never changes what is emitted.
 
-`SpeculationPolicy` decides per step whether to speculate: it measures seconds per emitted token
-of both kinds of step per batch size and keeps the faster (a large batch on a CPU is compute
-bound, and a pass over D+1 tokens a sequence then costs more than the tokens it saves; low
-acceptance does the same), probing the other now and then. Seconds per token are totals over
-several steps, seconds over tokens: a speculative step emits one token most of the time and
-several now and then, so one step, or the median step, says nothing of what speculation yields.
+`SpeculationPolicy` decides per step whether to speculate and with how many of the heads: it
+measures what each kind of step costs per batch size and keeps the one with the fewest seconds
+per emitted token (a large batch on a CPU is compute bound, and a pass over D+1 tokens a sequence
+then costs more than the tokens it saves; low acceptance does the same; and the last heads guess
+worst, so fewer drafts can pay better), probing the others now and then. Tokens per step come
+from the heads' acceptance over every verified draft, not from a probe's own few steps: a
+speculative step emits one token most of the time and several now and then, so a few steps, or
+the median step, say little of what speculation yields. A step with fewer drafts than heads runs
+only the heads it drafts with; the others' keys then miss those positions, as after plain steps
+(a stale key lowers acceptance, never changes what is emitted).
 """
 
 from __future__ import annotations
 
-from collections import deque
+import statistics
+from collections import Counter, deque
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -64,6 +70,51 @@ class Drafted(NamedTuple):
 
 
 DRAFT_VOCAB = 8192
+MAX_BACKLOG = 512
+"""A request keeps the model's hidden states of at most this many positions its heads have yet to
+run over (older ones the lagging heads then never see: their keys stay stale)."""
+
+
+class HeadProgress:
+    """Which of a request's positions each MTP head has final keys for, and the model's hidden
+    states of the positions some head still has to run over (`DraftHeads.draft`'s input).
+
+    Head k at position j reads token t_{j+k}, so after a pass whose last position is i (tokens
+    known up to t_{i+1}) head k's keys are final up to i + 1 - k: past that they were computed from
+    drafts, and the next pass starts there again. A pass with fewer drafts than heads runs only the
+    first heads, and plain steps run none: the hidden states of the positions they skipped wait here,
+    and the next pass that runs a lagging head catches it up over them."""
+
+    def __init__(self, heads: int) -> None:
+        self.heads = heads
+        self.first = 0                      # the position of hidden_nM's first row
+        self.hidden_nM: torch.Tensor | None = None
+        self.redo = [0] * heads             # per head: the first position its next pass must run
+
+    def extend(self, first: int, hidden_nM: torch.Tensor) -> None:
+        """The model's hidden states of positions `first ..`, just computed (the rows must follow
+        on from those kept, or be the first)."""
+        if self.hidden_nM is None:
+            self.first, self.hidden_nM = first, hidden_nM
+            self.redo = [max(r, first) for r in self.redo]
+            return
+        self.hidden_nM = torch.cat([self.hidden_nM[:first - self.first], hidden_nM])
+        if self.hidden_nM.shape[0] > MAX_BACKLOG:
+            drop = self.hidden_nM.shape[0] - MAX_BACKLOG
+            self.first, self.hidden_nM = self.first + drop, self.hidden_nM[drop:]
+            self.redo = [max(r, self.first) for r in self.redo]
+
+    def pending(self, depth: int) -> tuple[int, torch.Tensor]:
+        """Where a pass of the first `depth` heads starts, and the hidden states from there on."""
+        start = min(self.redo[:depth])
+        return start, self.hidden_nM[start - self.first:]
+
+    def ran(self, depth: int, last: int) -> None:
+        """The first `depth` heads ran over every position up to `last`."""
+        for k in range(depth):   # (the rows before `first` are gone: such a key stays as it is)
+            self.redo[k] = max(self.first, last + 1 - k)
+        keep = min(self.redo) - self.first
+        self.first, self.hidden_nM = self.first + keep, self.hidden_nM[keep:]
 
 
 class DraftHeads:
@@ -102,17 +153,17 @@ class DraftHeads:
                 lin.refresh()
 
     @torch.inference_mode()
-    def draft(self, runs: list[DraftRun]) -> list[Drafted]:
-        """Every head over each run's positions (their keys stored), and each run's D drafts from
-        its last position: the argmax of each head (greedy runs) or a draw from it at the run's
-        temperature, with the distribution it was drawn from."""
+    def draft(self, runs: list[DraftRun], depth: int | None = None) -> list[Drafted]:
+        """The first `depth` heads (None: all) over each run's positions (their keys stored), and
+        each run's `depth` drafts from its last position: the argmax of each head (greedy runs) or
+        a draw from it at the run's temperature, with the distribution it was drawn from."""
         fw = self.forward
         batch = fw.flat_batch([(r.tokens[:r.start + len(r.hidden_nM)], r.start, r.table) for r in runs])
         last = torch.tensor([off + n - 1 for off, n, _, _ in batch.plans], device=fw.device)
         h_NM = torch.cat([r.hidden_nM for r in runs])
         drafts: list[list[int]] = [[] for _ in runs]
         probs: list[list[torch.Tensor]] = [[] for _ in runs]
-        for k, head in enumerate(self.heads, 1):
+        for k, head in enumerate(self.heads[:depth], 1):
             ids = [self._input_token(r, j, k, drafts[b]) for b, r in enumerate(runs)
                    for j in range(r.start, r.start + len(r.hidden_nM))]
             e_NM = fw.core.embed_tokens(torch.tensor(ids, dtype=torch.long, device=fw.device))
@@ -139,45 +190,110 @@ class DraftHeads:
         return run.tokens[at] if at < len(run.tokens) else drafts[at - len(run.tokens)]
 
 
-GAIN = 0.9            # the other kind becomes current when its seconds per token are below this share
+GAIN = 0.92           # another kind of step becomes current when its seconds per token are below this share
 FAR = 1.5             # a probe this many times slower per token backs the next one off 8x, not 2x
-COMPARED = 16         # the current kind's last steps a probe is compared with
+COMPARED = 16         # a kind's cost is over its last this many steps
 WARM_STEPS = 4        # plain steps at a batch size before its first probe of speculation
 FIRST_GAP = 64        # steps of the current kind between probes after a switch (and half the first loss's)
-LAST_GAP = 4096       # the longest gap between probes of a kind that keeps losing
+LAST_GAP = 4096       # the longest gap between probes of kinds that keep losing
 PROBE_STEPS = 8       # a probe covers this many sequence-steps (steps x batch) ...
 MIN_PROBE_STEPS = 4   # ... and at least this many steps (the longest is left out of its figure)
+ACCEPTANCE_WINDOW = 256   # a head's acceptance is over about its last this many verified drafts
+PRIOR = 2.0               # ... and starts from the head before it's, worth this many drafts
+
+
+class Acceptance:
+    """Each head's acceptance given that the drafts before it were accepted: exponentially weighted
+    over about its last `ACCEPTANCE_WINDOW` verified drafts (so it follows the heads' drift as RL
+    changes the weights). A head is tried only where every head before it guessed right, so a late
+    head has few drafts to go by: each starts from the rate of the head before it (worth `PRIOR`
+    drafts; the first from one in two), since a later head rarely guesses better."""
+
+    def __init__(self, heads: int) -> None:
+        self.tried = [0.0] * heads
+        self.kept = [0.0] * heads
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """One sequence's verification: `drafted` drafts, the first `accepted` of them kept (the
+        drafts past the first rejected one were never tried)."""
+        keep = 1.0 - 1.0 / ACCEPTANCE_WINDOW
+        for j in range(min(drafted, accepted + 1)):
+            self.tried[j] = self.tried[j] * keep + 1.0
+            self.kept[j] = self.kept[j] * keep + (1.0 if j < accepted else 0.0)
+
+    def rates(self) -> list[float]:
+        """Every head's acceptance, first head first."""
+        out, prior = [], 0.5
+        for tried, kept in zip(self.tried, self.kept):
+            prior = (kept + PRIOR * prior) / (tried + PRIOR)
+            out.append(prior)
+        return out
+
+    def tokens(self, depth: int) -> float:
+        """The tokens a sequence's step verifying `depth` drafts emits, on average: its correction
+        or bonus token, and draft j where drafts 1..j are all kept."""
+        total, chain = 1.0, 1.0
+        for rate in self.rates()[:depth]:
+            chain *= rate
+            total += chain
+        return total
+
+
+@dataclass
+class _Bucket:
+    """What the policy knows of one batch size (a power of two): see `SpeculationPolicy`."""
+
+    current: int = 0                                   # the drafts a step verifies now (0: plain steps)
+    costs: dict[int, deque] = field(default_factory=dict)   # per depth: seconds per sequence-step, last steps
+    countdown: int = WARM_STEPS                        # current-kind steps until the next probe
+    gap: int = FIRST_GAP // 2
+    probing: int | None = None                         # the depth a running probe measures
+    probe_left: int = 0
+    steps: int = 0                                     # steps taken at this batch size
+    measured: dict[int, int] = field(default_factory=dict)  # per depth: `steps` when last measured
 
 
 class SpeculationPolicy:
-    """Whether the next step speculates (see the module docstring): `choose(batch)` before a step,
-    `record(speculated, batch, seconds, tokens)` after it. `enabled` False: never; `max_batch`: no
-    speculation above it. `mode` "auto" measures; "always" and "never" fix the choice (what a
-    benchmark compares).
+    """How many drafts the next step verifies, 0 for a plain step (see the module docstring):
+    `choose(batch)` before a step, `observe(drafted, accepted)` for each sequence it verified,
+    `record(depth, batch, seconds)` after it. `depth`: the heads (0: never speculate); `max_batch`:
+    no speculation above it. `mode` "auto" measures; "always" (every head's draft) and "never" fix
+    the choice (what a benchmark compares).
 
-    Each batch size (in powers of two) starts with plain steps, the kind that cannot lose: a step
-    of speculation costs more and only acceptance pays for it. After `WARM_STEPS` of them comes the
-    first probe of speculation, a few steps long (more at batch 1, where one step's tokens vary
-    most); the faster kind per token stays. Gaps between probes count that batch size's own steps
-    (not seconds: what else the engine ran in between says nothing of this batch size): after a
-    switch the other kind is probed `FIRST_GAP` steps later; a probe that loses doubles the gap
-    (multiplies it by 8 where it lost by `FAR`: that far from paying, soon again would be waste)
-    up to `LAST_GAP`. A probe also costs more than its steps: the heads first catch up on the
-    positions decoded without them (a whole prompt's, on a new request). So where speculation
-    does not pay it costs a few steps in a thousand, and where it does it is on within a few
-    dozen steps."""
+    A kind of step is judged by its seconds per emitted token: its cost (seconds per
+    sequence-step, the median of its last steps at this batch size) over the tokens a sequence's
+    step of it emits, which come from the heads' acceptance (`Acceptance`, over every verified
+    draft, so far less noisy than one probe's tokens). A speculative step costs more and only
+    acceptance pays for it; a deeper step costs more again, and its last heads are the ones that
+    guess worst. Depths never measured cost what the measured ones on either side say, in a line.
+
+    Each batch size starts with plain steps, the kind that cannot lose. After `WARM_STEPS` of them
+    the first probe runs every head (measuring all their acceptances), a few steps long (more at
+    batch 1, where one step's tokens vary most); then the kind with the fewest seconds per token
+    becomes current if it beats the current one by `GAIN` (a depth that only looks best, measured
+    nowhere yet, is probed first). Later probes measure, of the kinds near the current one, the one
+    measured longest ago (see `_next_probe`). Gaps
+    between probes count that batch size's own steps (not seconds: what else the engine ran in
+    between says nothing of this batch size): after a switch the next probe comes `FIRST_GAP`
+    steps later; a probe that loses doubles the gap (multiplies it by 8 where it lost by `FAR`:
+    that far from paying, soon again would be waste) up to `LAST_GAP`. A probe also costs more than
+    its steps: the heads first catch up on the positions decoded without them (a whole prompt's,
+    on a new request). So where speculation does not pay it costs a few steps in a thousand, and
+    where it does it is on within a few dozen steps, at the depth that pays best."""
 
     MODES = ("auto", "always", "never")
 
-    def __init__(self, enabled: bool, max_batch: int) -> None:
-        self.enabled, self.max_batch = enabled, max_batch
+    def __init__(self, depth: int, max_batch: int) -> None:
+        self.depth, self.max_batch = depth, max_batch
         self.mode = "auto"
-        self._current: dict[int, bool] = {}
-        self._recent: dict[int, deque[tuple[float, int]]] = {}   # the current kind's (seconds, tokens)
-        self._countdown: dict[int, int] = {}                      # current-kind steps until the next probe
-        self._gap: dict[int, int] = {}
-        self._probe: dict[int, list[tuple[float, int]]] = {}      # a running probe's steps
+        self.acceptance = Acceptance(depth)
+        self._buckets: dict[int, _Bucket] = {}
         self.switches = 0
+        self.chosen: Counter[int] = Counter()    # steps taken at each depth
+
+    @property
+    def enabled(self) -> bool:
+        return self.depth > 0
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -188,48 +304,103 @@ class SpeculationPolicy:
         return max(MIN_PROBE_STEPS, -(-PROBE_STEPS // max(1, batch)))
 
     @staticmethod
-    def per_token(steps) -> float:
-        """Seconds over tokens of `steps`, the longest step left out where there are 4 or more:
-        a step that built a kernel (a new shape's first) takes seconds, and one such step would
-        decide a probe."""
-        steps = sorted(steps)[:-1] if len(steps) >= 4 else list(steps)
-        return sum(s for s, _ in steps) / max(1, sum(t for _, t in steps))
+    def typical_cost(costs) -> float:
+        """The median of `costs` (0.0 for none): a step that built a kernel (a new shape's first)
+        takes seconds, and one such step, or a few the machine's other work slowed, would decide a
+        probe; a kind's own steps cost nearly the same."""
+        return statistics.median(costs) if costs else 0.0
 
-    def choose(self, batch: int) -> bool:
+    def current(self, batch: int) -> int:
+        """The depth steps at `batch` take now (auto mode, outside probes)."""
+        return self._buckets[self.bucket(batch)].current if self.bucket(batch) in self._buckets else 0
+
+    def choose(self, batch: int) -> int:
+        depth = self._choose(batch)
+        self.chosen[depth] += 1
+        return depth
+
+    def _choose(self, batch: int) -> int:
         if not self.enabled or self.mode == "never":
-            return False
+            return 0
         if self.mode == "always":
-            return True
+            return self.depth
         if batch > self.max_batch:
-            return False
-        key = self.bucket(batch)
-        current = self._current.setdefault(key, False)
-        if key not in self._probe and self._countdown.setdefault(key, WARM_STEPS) <= 0:
-            self._probe[key] = []
-        return not current if key in self._probe else current
+            return 0
+        state = self._buckets.setdefault(self.bucket(batch), _Bucket())
+        return state.current if state.probing is None else state.probing
 
-    def record(self, speculated: bool, batch: int, seconds: float, tokens: int) -> None:
-        if not self.enabled or self.mode != "auto" or batch > self.max_batch or tokens <= 0:
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted > 0:
+            self.acceptance.observe(drafted, accepted)
+
+    def record(self, depth: int, batch: int, seconds: float) -> None:
+        if not self.enabled or self.mode != "auto" or batch > self.max_batch:
             return
-        key = self.bucket(batch)
-        current = self._current.get(key, False)
-        if speculated == current:
-            self._recent.setdefault(key, deque(maxlen=COMPARED)).append((seconds, tokens))
-            self._countdown[key] = self._countdown.get(key, WARM_STEPS) - 1
-            return
-        probe = self._probe.get(key)
-        if probe is None:
-            return
-        probe.append((seconds, tokens))
-        if len(probe) < self.probe_steps(batch):
-            return
-        del self._probe[key]
-        ratio = self.per_token(probe) / max(self.per_token(self._recent.get(key, ())), 1e-12)
-        if ratio < GAIN:
-            self._current[key] = speculated
-            self._recent[key] = deque(probe, maxlen=COMPARED)
+        state = self._buckets.setdefault(self.bucket(batch), _Bucket())
+        state.steps += 1
+        if depth == state.probing:
+            state.costs[depth].append(seconds / max(1, batch))
+            state.measured[depth] = state.steps
+            state.probe_left -= 1
+            if state.probe_left <= 0:
+                state.probing = None
+                self._decide(state, batch, depth)
+        elif depth == state.current:
+            state.costs.setdefault(depth, deque(maxlen=COMPARED)).append(seconds / max(1, batch))
+            state.measured[depth] = state.steps
+            state.countdown -= 1
+            if state.countdown <= 0:
+                self._probe(state, batch, self._next_probe(state))
+
+    def _next_probe(self, state: _Bucket) -> int:
+        """The kind a due probe measures: a depth only a line says anything of, the most promising
+        first; else, of the kinds not `FAR` from the current one, the one measured longest ago (a
+        kind measured once, early or on a bad few steps, is not judged on that forever); else the
+        most promising."""
+        estimates = self._per_token(state)
+        others = sorted((d for d in estimates if d != state.current), key=lambda d: (estimates[d], -d))
+        unmeasured = [d for d in others if d not in state.measured]
+        if unmeasured and estimates[unmeasured[0]] < GAIN * estimates[state.current]:
+            return unmeasured[0]
+        near = [d for d in others if d in state.measured and estimates[d] <= FAR * estimates[state.current]]
+        return min(near, key=lambda d: state.measured[d]) if near else others[0]
+
+    def _probe(self, state: _Bucket, batch: int, depth: int) -> None:
+        state.probing, state.probe_left = depth, self.probe_steps(batch)
+        state.costs[depth] = deque(maxlen=COMPARED)
+
+    def _decide(self, state: _Bucket, batch: int, probed: int) -> None:
+        estimates = self._per_token(state)
+        best = min(estimates, key=lambda d: (estimates[d], -d))
+        if best != state.current and estimates[best] < GAIN * estimates[state.current]:
+            if best not in state.measured:     # only a line through measured depths says so: measure it
+                self._probe(state, batch, best)
+                return
+            state.current = best
             self.switches += 1
-            gap = FIRST_GAP
-        else:
-            gap = min(LAST_GAP, (8 if ratio > FAR else 2) * self._gap.get(key, FIRST_GAP // 2))
-        self._gap[key] = self._countdown[key] = gap
+            state.gap = state.countdown = FIRST_GAP
+            return
+        ratio = estimates[probed] / max(estimates[state.current], 1e-12)
+        state.gap = state.countdown = min(LAST_GAP, (8 if ratio > FAR else 2) * state.gap)
+
+    def _per_token(self, state: _Bucket) -> dict[int, float]:
+        """Seconds per emitted token of every depth 0..D at this batch size: measured costs, and a
+        line through the nearest measured depths where a depth has none (0.0, worth measuring,
+        where no line reaches it)."""
+        measured = {d: self.typical_cost(c) for d, c in state.costs.items() if c}
+        out = {}
+        for depth in range(self.depth + 1):
+            cost = measured.get(depth)
+            if cost is None:
+                below = [d for d in measured if d < depth]
+                above = [d for d in measured if d > depth]
+                if below and above:
+                    lo, hi = max(below), min(above)
+                elif len(below) >= 2:
+                    lo, hi = sorted(below)[-2:]
+                else:
+                    out[depth] = 0.0
+                    continue
+                cost = measured[lo] + (measured[hi] - measured[lo]) * (depth - lo) / (hi - lo)
+            out[depth] = cost / self.acceptance.tokens(depth)
+        return out
