@@ -284,7 +284,19 @@ def test_policy_follows_the_heads_drift_back_to_plain_steps():
     _steps(policy, 8, {0: 0.016, 1: 0.019, 2: 0.022}, [0.8, 0.8], 200)
     assert policy.current(8) == 2
     _steps(policy, 8, {0: 0.016, 1: 0.019, 2: 0.022}, [0.02, 0.02], 400)
-    assert policy.current(8) == 0 and policy.acceptance.rates()[0] < 0.1
+    assert policy.current(8) == 0 and policy.acceptance.rates()[0] < 0.2
+
+
+def test_costs_from_another_workload_do_not_decide_a_switch():
+    """Long agent contexts, then short chat replies, in turn at the same batch size: every step
+    costs more in the first. Speculation loses in both; a cheap cost measured in one must never be
+    weighed against the current kind's dear one in the other."""
+    policy = SpeculationPolicy(3, max_batch=16)
+    long_context = {d: 2.5 * cost for d, cost in SMALL_BATCH.items()}
+    chosen = []
+    for turn in range(60):
+        chosen += _steps(policy, 4, long_context if turn % 2 else SMALL_BATCH, [0.2, 0.2, 0.2], 50, seed=turn)
+    assert policy.switches == 0 and sum(1 for d in chosen if d) / len(chosen) < 0.02
 
 
 def test_one_step_that_built_a_kernel_does_not_decide_a_probe():

@@ -198,6 +198,7 @@ FIRST_GAP = 64        # steps of the current kind between probes after a switch 
 LAST_GAP = 4096       # the longest gap between probes of kinds that keep losing
 PROBE_STEPS = 8       # a probe covers this many sequence-steps (steps x batch) ...
 MIN_PROBE_STEPS = 4   # ... and at least this many steps (the longest is left out of its figure)
+FRESH = 32            # a switch compares only costs measured within this many steps of each other
 ACCEPTANCE_WINDOW = 256   # a head's acceptance is over about its last this many verified drafts
 PRIOR = 2.0               # ... and starts from the head before it's, worth this many drafts
 
@@ -249,6 +250,9 @@ class _Bucket:
     gap: int = FIRST_GAP // 2
     probing: int | None = None                         # the depth a running probe measures
     probe_left: int = 0
+    judged: int | None = None                          # a finished probe's depth, waiting for ...
+    judge_left: int = 0                                # ... this many more current-kind steps
+    yield_then: float = 1.0                            # the current depth's tokens a step, when chosen
     steps: int = 0                                     # steps taken at this batch size
     measured: dict[int, int] = field(default_factory=dict)  # per depth: `steps` when last measured
 
@@ -270,9 +274,14 @@ class SpeculationPolicy:
     Each batch size starts with plain steps, the kind that cannot lose. After `WARM_STEPS` of them
     the first probe runs every head (measuring all their acceptances), a few steps long (more at
     batch 1, where one step's tokens vary most); then the kind with the fewest seconds per token
-    becomes current if it beats the current one by `GAIN` (a depth that only looks best, measured
-    nowhere yet, is probed first). Later probes measure, of the kinds near the current one, the one
-    measured longest ago (see `_next_probe`). Gaps
+    becomes current if it beats the current one by `GAIN`. A step's cost moves with its
+    sequences' lengths, so a cost from another workload (long agent contexts, then short chat
+    replies) would decide a switch wrongly: a probe is judged against the current kind's steps
+    just before and just after it, as many of each as it has (as a benchmark interleaves), and a
+    switch weighs only costs measured within `FRESH` steps of each other; a depth that only a line
+    through those says is best is probed first. Later probes measure, of the kinds near the current one, the one
+    measured longest ago (see `_next_probe`); and where the heads come to guess worse than when
+    the current depth was chosen (RL moved the policy), a probe comes at once. Gaps
     between probes count that batch size's own steps (not seconds: what else the engine ran in
     between says nothing of this batch size): after a switch the next probe comes `FIRST_GAP`
     steps later; a probe that loses doubles the gap (multiplies it by 8 where it lost by `FAR`:
@@ -342,26 +351,32 @@ class SpeculationPolicy:
             state.costs[depth].append(seconds / max(1, batch))
             state.measured[depth] = state.steps
             state.probe_left -= 1
-            if state.probe_left <= 0:
-                state.probing = None
-                self._decide(state, batch, depth)
+            if state.probe_left <= 0:   # judged once as many current steps followed as preceded it
+                state.probing, state.judged, state.judge_left = None, depth, self.probe_steps(batch)
         elif depth == state.current:
             state.costs.setdefault(depth, deque(maxlen=COMPARED)).append(seconds / max(1, batch))
             state.measured[depth] = state.steps
+            if state.judged is not None:
+                state.judge_left -= 1
+                if state.judge_left <= 0:
+                    judged, state.judged = state.judged, None
+                    self._decide(state, batch, judged)
+                return
             state.countdown -= 1
+            if self.acceptance.tokens(depth) < GAIN * state.yield_then:
+                state.countdown = 0   # the heads guess worse than when this depth was chosen: now
             if state.countdown <= 0:
                 self._probe(state, batch, self._next_probe(state))
 
     def _next_probe(self, state: _Bucket) -> int:
-        """The kind a due probe measures: a depth only a line says anything of, the most promising
-        first; else, of the kinds not `FAR` from the current one, the one measured longest ago (a
-        kind measured once, early or on a bad few steps, is not judged on that forever); else the
-        most promising."""
+        """The kind a due probe measures: the most promising where it looks faster than the current
+        one (by what was measured, however long ago, or a line through it); else, of the kinds not
+        `FAR` from the current one, the one measured longest ago (a kind measured once, early or on
+        a bad few steps, is not judged on that forever); else the most promising."""
         estimates = self._per_token(state)
         others = sorted((d for d in estimates if d != state.current), key=lambda d: (estimates[d], -d))
-        unmeasured = [d for d in others if d not in state.measured]
-        if unmeasured and estimates[unmeasured[0]] < GAIN * estimates[state.current]:
-            return unmeasured[0]
+        if estimates[others[0]] < GAIN * estimates[state.current]:
+            return others[0]
         near = [d for d in others if d in state.measured and estimates[d] <= FAR * estimates[state.current]]
         return min(near, key=lambda d: state.measured[d]) if near else others[0]
 
@@ -370,24 +385,28 @@ class SpeculationPolicy:
         state.costs[depth] = deque(maxlen=COMPARED)
 
     def _decide(self, state: _Bucket, batch: int, probed: int) -> None:
-        estimates = self._per_token(state)
+        fresh = {d for d, at in state.measured.items() if at >= state.steps - FRESH}
+        estimates = self._per_token(state, fresh, last=2 * self.probe_steps(batch))
         best = min(estimates, key=lambda d: (estimates[d], -d))
         if best != state.current and estimates[best] < GAIN * estimates[state.current]:
-            if best not in state.measured:     # only a line through measured depths says so: measure it
+            if best not in fresh:     # only a line through what was just measured says so: measure it
                 self._probe(state, batch, best)
                 return
             state.current = best
             self.switches += 1
             state.gap = state.countdown = FIRST_GAP
-            return
-        ratio = estimates[probed] / max(estimates[state.current], 1e-12)
-        state.gap = state.countdown = min(LAST_GAP, (8 if ratio > FAR else 2) * state.gap)
+        else:
+            ratio = estimates[probed] / max(estimates[state.current], 1e-12)
+            state.gap = state.countdown = min(LAST_GAP, (8 if ratio > FAR else 2) * state.gap)
+        state.yield_then = self.acceptance.tokens(state.current)
 
-    def _per_token(self, state: _Bucket) -> dict[int, float]:
-        """Seconds per emitted token of every depth 0..D at this batch size: measured costs, and a
-        line through the nearest measured depths where a depth has none (0.0, worth measuring,
-        where no line reaches it)."""
-        measured = {d: self.typical_cost(c) for d, c in state.costs.items() if c}
+    def _per_token(self, state: _Bucket, among: set[int] | None = None, last: int = COMPARED) -> dict[int, float]:
+        """Seconds per emitted token of every depth 0..D at this batch size: measured costs (over
+        each depth's `last` steps, of the depths `among` only where given), and a line through the
+        nearest measured depths where a depth has none (0.0, worth measuring, where no line
+        reaches it)."""
+        measured = {d: self.typical_cost(list(c)[-last:]) for d, c in state.costs.items()
+                    if c and (among is None or d in among)}
         out = {}
         for depth in range(self.depth + 1):
             cost = measured.get(depth)
