@@ -3,6 +3,7 @@ logprobs and versions as plain decoding, and off where it does not pay."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import shutil
 import threading
@@ -265,6 +266,20 @@ def test_policy_goes_deeper_when_every_head_guesses_well():
     assert policy.current(1) == 3 and policy.switches == 1
 
 
+def test_a_probe_that_loses_is_one_probe():
+    """Settled on two drafts, a periodic probe of another depth that loses ends there: depths no
+    fresh cost says anything of are not probed one after another on its account."""
+    policy = SpeculationPolicy(3, max_batch=16)
+    costs = {0: 0.010, 1: 0.0112, 2: 0.0124, 3: 0.0150}
+    _steps(policy, 1, costs, [0.8, 0.8, 0.05], 300)
+    assert policy.current(1) == 2
+    chosen = _steps(policy, 1, costs, [0.8, 0.8, 0.05], 3000, seed=1)
+    runs = [(d, len(list(group))) for d, group in itertools.groupby(chosen)]
+    for (_, _), (between, steps), (after, _) in zip(runs, runs[1:], runs[2:]):
+        assert between != 2 or after == 2 or steps > SpeculationPolicy.probe_steps(1)
+    assert policy.current(1) == 2 and chosen.count(2) > 0.95 * len(chosen)
+
+
 def test_policy_judges_speculation_by_its_acceptance_not_a_few_steps_tokens():
     """At batch 1 a speculative step emits one token most of the time and several now and then: a
     probe's own few steps may have only the ones. The acceptance over every verified draft says
@@ -372,6 +387,15 @@ def test_heads_catch_up_on_positions_decoded_without_them(heads_dir):
         torch.testing.assert_close(got_k[:, :done], want_k[:, :done], rtol=1e-4, atol=1e-4)
 
 
+def test_a_finished_request_keeps_nothing_for_its_heads(heads_dir):
+    """A caller may hold a finished request's handle for long (an RL batch holds hundreds): it
+    keeps neither the heads' hidden states nor drafts."""
+    with LocalEngine(heads_dir, dtype="float32", compile=False, speculate=True) as engine:
+        handle = engine.submit(PROMPTS[2], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(-1,)))
+        handle.result()
+        assert handle._request.heads is None and not handle._request.drafts
+
+
 def test_head_progress_keeps_a_bounded_backlog(monkeypatch):
     monkeypatch.setattr("atelier.inference.speculative.MAX_BACKLOG", 8)
     progress = HeadProgress(3)
@@ -385,6 +409,10 @@ def test_head_progress_keeps_a_bounded_backlog(monkeypatch):
     assert hidden[:, 0].tolist() == list(range(12, 20))
     progress.ran(1, 19)                                      # only the first head ran
     assert progress.redo == [20, 12, 12] and progress.pending(3)[0] == 12
+    progress.extend(25, torch.zeros(1, 2))                   # positions 20..24 were never kept
+    assert progress.first == 25 and progress.redo == [25, 25, 25]
+    start, hidden = progress.pending(3)
+    assert start == 25 and hidden.shape[0] == 1
 
 
 def test_vllm_refuses_heads_it_cannot_load(heads_dir):

@@ -603,7 +603,8 @@ class LocalEngine:
         contexts = [r.context for r in admitted]
         seqs = [(c, r.length, r.blocks) for c, r in zip(contexts, admitted)]
         scored = [i for i, r in enumerate(admitted) if self._scores(r)]
-        drafting = self._heads is not None
+        # heads follow only where steps may speculate (the batch this admission makes, as it starts)
+        drafting = self._heads is not None and self._speculation.may_speculate(len(self._active) + len(admitted))
         kept = list(range(len(admitted))) if drafting else scored
         if self.batch_invariant:
             runs = [self._forward.prefill_keeping([seq], [0] if i in scored else []) for i, seq in enumerate(seqs)]
@@ -629,14 +630,16 @@ class LocalEngine:
         if sampling:
             self._take([admitted[b] for b in sampling], logits_BV[sampling] if len(sampling) < len(admitted)
                        else logits_BV)
+        if self._heads is None:
+            return
+        running = {id(r) for r in self._active}
+        todo = [(b, r) for b, r in enumerate(admitted) if id(r) in running]
+        for b, request in todo:
+            request.heads = HeadProgress(len(self._heads))
+            if drafting:
+                request.heads.extend(starts[b], hidden[b])
         if drafting:   # every head over the prompt: its keys are there for whichever depth comes next
-            running = {id(r) for r in self._active}
-            todo = [r for r in admitted if id(r) in running]
-            for b, request in enumerate(admitted):
-                if id(request) in running:
-                    request.heads = HeadProgress(len(self._heads))
-                    request.heads.extend(starts[b], hidden[b])
-            self._draft(todo, len(self._heads))
+            self._draft([r for _, r in todo], len(self._heads))
 
     @staticmethod
     def _scores(request: _Request) -> bool:
@@ -697,10 +700,12 @@ class LocalEngine:
         active = self._active
         if self.batch_invariant:
             logits_BV = torch.cat([self._forward.decode([r.token_ids[-1]], [r.length], [r.blocks]) for r in active])
-        elif self._heads is None:
+        elif self._heads is None or not self._speculation.may_speculate(len(active)):
+            for request in active:   # the heads do not run on plain steps: their drafts go stale
+                request.drafts, request.draft_probs = [], None
             logits_BV = self._forward.decode([r.token_ids[-1] for r in active], [r.length for r in active],
                                              [r.blocks for r in active])
-        else:   # the heads do not run on plain steps: their drafts go stale, the positions wait for them
+        else:   # ... and the positions wait for them (speculative.HeadProgress)
             logits_BV, hidden_BM = self._forward.decode_keeping(
                 [r.token_ids[-1] for r in active], [r.length for r in active], [r.blocks for r in active])
             for request, hidden_1M in zip(active, hidden_BM[:, None]):
@@ -835,6 +840,7 @@ class LocalEngine:
         if reason in ("stop", "length"):
             request.routes = self._routes(request)
         self._release(request)
+        request.drafts, request.draft_probs, request.heads = [], None, None   # a held handle keeps none of it
         request.finish_reason, request.error = reason, error
         if reason == "abort":
             self.stats["cancelled"] += 1

@@ -10,12 +10,12 @@ distributed exactly as the model's own samples, and greedy output is the model's
 Head k at position i reads the hidden state h^{k-1}_i (h^0: the model's last hidden state before
 its final norm) and the embedding of token t_{i+k}, and predicts t_{i+k+1}; its block attends over
 its own earlier positions, kept in the engine's KV pool as layer L + k - 1 (L: the model's layers),
-so they share the sequences' block tables and the prefix cache. `DraftHeads.draft` runs every head
+so they share the sequences' block tables and the prefix cache. `DraftHeads.draft` runs the heads
 over a sequence's newly verified positions (filling their keys) and drafts from the last one; a
-head's input token past the known ones is the draft of the head before it. What a head computed
-from a draft that was then rejected is recomputed on the next pass (each pass starts one position
-back), so the heads' keys always describe the sequence as it is. Drafts only ever propose: a wrong
-or stale head key lowers acceptance, never changes what is emitted.
+head's input token past the known ones is the draft of the head before it. What head k computed
+from a draft is recomputed on the next pass (it starts k - 1 positions back: `HeadProgress`), so a
+head that runs on every step holds keys that describe the sequence as it is. Drafts only ever
+propose: a wrong or stale head key lowers acceptance, never changes what is emitted.
 
 `SpeculationPolicy` decides per step whether to speculate and with how many of the heads: it
 measures what each kind of step costs per batch size and keeps the one with the fewest seconds
@@ -82,39 +82,68 @@ class HeadProgress:
     Head k at position j reads token t_{j+k}, so after a pass whose last position is i (tokens
     known up to t_{i+1}) head k's keys are final up to i + 1 - k: past that they were computed from
     drafts, and the next pass starts there again. A pass with fewer drafts than heads runs only the
-    first heads, and plain steps run none: the hidden states of the positions they skipped wait here,
-    and the next pass that runs a lagging head catches it up over them."""
+    first heads, and plain steps run none: the hidden states of the positions they skipped wait here
+    (as the steps' own rows, joined only when a pass needs them: a step appends, it does not copy),
+    and the next pass that runs a lagging head catches it up over them. Positions whose rows were
+    never kept (the engine keeps none where it cannot speculate) stay stale for every head."""
 
     def __init__(self, heads: int) -> None:
         self.heads = heads
-        self.first = 0                      # the position of hidden_nM's first row
-        self.hidden_nM: torch.Tensor | None = None
+        self.first = 0                      # the position of the first kept row
+        self._chunks: deque[torch.Tensor] = deque()   # the kept rows [n, M], in position order
+        self._rows = 0
         self.redo = [0] * heads             # per head: the first position its next pass must run
 
+    @property
+    def end(self) -> int:
+        """The position after the last kept row."""
+        return self.first + self._rows
+
     def extend(self, first: int, hidden_nM: torch.Tensor) -> None:
-        """The model's hidden states of positions `first ..`, just computed (the rows must follow
-        on from those kept, or be the first)."""
-        if self.hidden_nM is None:
-            self.first, self.hidden_nM = first, hidden_nM
-            self.redo = [max(r, first) for r in self.redo]
-            return
-        self.hidden_nM = torch.cat([self.hidden_nM[:first - self.first], hidden_nM])
-        if self.hidden_nM.shape[0] > MAX_BACKLOG:
-            drop = self.hidden_nM.shape[0] - MAX_BACKLOG
-            self.first, self.hidden_nM = self.first + drop, self.hidden_nM[drop:]
-            self.redo = [max(r, self.first) for r in self.redo]
+        """The model's hidden states of positions `first ..`, just computed. Rows from `first` on
+        replace any kept ones; a gap since the kept rows drops them (those positions stay stale)."""
+        if first != self.end:
+            if first < self.first or first > self.end or not self._rows:
+                self._chunks.clear()
+                self.first, self._rows = first, 0
+            else:
+                self._keep(first - self.first)
+        self._chunks.append(hidden_nM)
+        self._rows += hidden_nM.shape[0]
+        if self._rows > MAX_BACKLOG:
+            self._drop(self._rows - MAX_BACKLOG)
+        self.redo = [max(r, self.first) for r in self.redo]
 
     def pending(self, depth: int) -> tuple[int, torch.Tensor]:
         """Where a pass of the first `depth` heads starts, and the hidden states from there on."""
         start = min(self.redo[:depth])
-        return start, self.hidden_nM[start - self.first:]
+        if len(self._chunks) > 1:
+            self._chunks = deque([torch.cat(list(self._chunks))])
+        return start, self._chunks[0][start - self.first:]
 
     def ran(self, depth: int, last: int) -> None:
         """The first `depth` heads ran over every position up to `last`."""
         for k in range(depth):   # (the rows before `first` are gone: such a key stays as it is)
             self.redo[k] = max(self.first, last + 1 - k)
-        keep = min(self.redo) - self.first
-        self.first, self.hidden_nM = self.first + keep, self.hidden_nM[keep:]
+        self._drop(min(self.redo) - self.first)
+
+    def _drop(self, n: int) -> None:
+        """Forget the first `n` kept rows."""
+        self.first, self._rows = self.first + n, self._rows - n
+        while n > 0:
+            head = self._chunks[0]
+            if head.shape[0] <= n:
+                n -= head.shape[0]
+                self._chunks.popleft()
+            else:
+                self._chunks[0] = head[n:]
+                n = 0
+
+    def _keep(self, n: int) -> None:
+        """Keep only the first `n` kept rows."""
+        rows = torch.cat(list(self._chunks))[:n] if self._chunks else None
+        self._chunks = deque([rows] if rows is not None and n else [])
+        self._rows = n
 
 
 class DraftHeads:
@@ -252,6 +281,7 @@ class _Bucket:
     probe_left: int = 0
     judged: int | None = None                          # a finished probe's depth, waiting for ...
     judge_left: int = 0                                # ... this many more current-kind steps
+    chained: int = 0                                   # probes a decision has sent on to the next
     yield_then: float = 1.0                            # the current depth's tokens a step, when chosen
     steps: int = 0                                     # steps taken at this batch size
     measured: dict[int, int] = field(default_factory=dict)  # per depth: `steps` when last measured
@@ -323,6 +353,11 @@ class SpeculationPolicy:
         """The depth steps at `batch` take now (auto mode, outside probes)."""
         return self._buckets[self.bucket(batch)].current if self.bucket(batch) in self._buckets else 0
 
+    def may_speculate(self, batch: int) -> bool:
+        """Whether steps at `batch` could speculate (so the heads should follow them): not where
+        the heads are off or `batch` is above `max_batch`."""
+        return self.enabled and self.mode != "never" and (self.mode == "always" or batch <= self.max_batch)
+
     def choose(self, batch: int) -> int:
         depth = self._choose(batch)
         self.chosen[depth] += 1
@@ -373,7 +408,8 @@ class SpeculationPolicy:
         one (by what was measured, however long ago, or a line through it); else, of the kinds not
         `FAR` from the current one, the one measured longest ago (a kind measured once, early or on
         a bad few steps, is not judged on that forever); else the most promising."""
-        estimates = self._per_token(state)
+        # a depth nothing says anything of is worth measuring: 0.0, the most promising
+        estimates = {d: v or 0.0 for d, v in self._per_token(state).items()}
         others = sorted((d for d in estimates if d != state.current), key=lambda d: (estimates[d], -d))
         if estimates[others[0]] < GAIN * estimates[state.current]:
             return others[0]
@@ -386,12 +422,20 @@ class SpeculationPolicy:
 
     def _decide(self, state: _Bucket, batch: int, probed: int) -> None:
         fresh = {d for d, at in state.measured.items() if at >= state.steps - FRESH}
-        estimates = self._per_token(state, fresh, last=2 * self.probe_steps(batch))
+        known = self._per_token(state, fresh, last=2 * self.probe_steps(batch))
+        estimates = {d: v for d, v in known.items() if v is not None}
         best = min(estimates, key=lambda d: (estimates[d], -d))
         if best != state.current and estimates[best] < GAIN * estimates[state.current]:
-            if best not in fresh:     # only a line through what was just measured says so: measure it
+            if best not in fresh and state.chained < self.depth:
+                # only a line through what was just measured says so: measure it (a few at most,
+                # or costs that are no line could send the probes from depth to depth)
+                state.chained += 1
                 self._probe(state, batch, best)
                 return
+            if best not in fresh:
+                best = min((d for d in estimates if d in fresh), key=lambda d: (estimates[d], -d))
+        state.chained = 0
+        if best != state.current and estimates[best] < GAIN * estimates[state.current]:
             state.current = best
             self.switches += 1
             state.gap = state.countdown = FIRST_GAP
@@ -400,11 +444,12 @@ class SpeculationPolicy:
             state.gap = state.countdown = min(LAST_GAP, (8 if ratio > FAR else 2) * state.gap)
         state.yield_then = self.acceptance.tokens(state.current)
 
-    def _per_token(self, state: _Bucket, among: set[int] | None = None, last: int = COMPARED) -> dict[int, float]:
+    def _per_token(self, state: _Bucket, among: set[int] | None = None, last: int = COMPARED
+                   ) -> dict[int, float | None]:
         """Seconds per emitted token of every depth 0..D at this batch size: measured costs (over
         each depth's `last` steps, of the depths `among` only where given), and a line through the
-        nearest measured depths where a depth has none (0.0, worth measuring, where no line
-        reaches it)."""
+        nearest measured depths where a depth has none (a deeper step costs no less than the
+        deepest measured below it); None where no line reaches it."""
         measured = {d: self.typical_cost(list(c)[-last:]) for d, c in state.costs.items()
                     if c and (among is None or d in among)}
         out = {}
@@ -418,8 +463,10 @@ class SpeculationPolicy:
                 elif len(below) >= 2:
                     lo, hi = sorted(below)[-2:]
                 else:
-                    out[depth] = 0.0
+                    out[depth] = None
                     continue
                 cost = measured[lo] + (measured[hi] - measured[lo]) * (depth - lo) / (hi - lo)
+                if not above:
+                    cost = max(cost, measured[hi])
             out[depth] = cost / self.acceptance.tokens(depth)
         return out
