@@ -353,6 +353,9 @@ class ScriptedPolicy(SpeculationPolicy):
     def choose(self, batch: int) -> int:
         return self.script.pop(0) if len(self.script) > 1 else self.script[0]
 
+    def speculating(self, batch: int) -> bool:
+        return self.script[0] > 0
+
 
 def _head_keys(path, script: list[int]) -> tuple[list[int], list[torch.Tensor]]:
     """One greedy generation under `script`; its tokens, and each head's cached keys of its positions."""
@@ -406,13 +409,28 @@ def test_head_progress_keeps_a_bounded_backlog(monkeypatch):
         progress.extend(position, torch.full((1, 2), float(position)))
     start, hidden = progress.pending(3)
     assert hidden.shape[0] == 8 and start == progress.first == 12    # the oldest rows dropped
+    assert progress.unseen == 12          # no head ran over them: the heads attend from 12 on
     assert hidden[:, 0].tolist() == list(range(12, 20))
     progress.ran(1, 19)                                      # only the first head ran
     assert progress.redo == [20, 12, 12] and progress.pending(3)[0] == 12
     progress.extend(25, torch.zeros(1, 2))                   # positions 20..24 were never kept
-    assert progress.first == 25 and progress.redo == [25, 25, 25]
+    assert progress.first == 25 and progress.redo == [25, 25, 25] and progress.unseen == 25
     start, hidden = progress.pending(3)
     assert start == 25 and hidden.shape[0] == 1
+    cached = HeadProgress(2)                                 # a prefix hit, the heads run over the rest
+    cached.extend(32, torch.zeros(600, 2), seen_before=True, cap=False)
+    start, hidden = cached.pending(2)
+    assert cached.unseen == 0 and start == 32 and hidden.shape[0] == 600   # a pass over the whole prompt next
+
+
+def test_heads_attend_to_no_position_they_never_ran_over(spiky_model_dir):
+    """A prompt prefilled while the heads did not follow: their pass later masks what it never saw."""
+    with LocalEngine(spiky_model_dir, dtype="float32", compile=False) as engine:
+        batch = engine._forward.flat_batch([(list(range(10)), 6, [0])], unseen=[3])
+    _, n, _, mask_11NT = batch.plans[0]
+    seen = (mask_11NT[0, 0] == 0).int().tolist()
+    assert n == 4 and seen == [[0, 0, 0, 1, 1, 1, 1, 0, 0, 0], [0, 0, 0, 1, 1, 1, 1, 1, 0, 0],
+                               [0, 0, 0, 1, 1, 1, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1, 1, 1, 1, 1]]
 
 
 def test_vllm_refuses_heads_it_cannot_load(heads_dir):

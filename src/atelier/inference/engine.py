@@ -603,9 +603,14 @@ class LocalEngine:
         contexts = [r.context for r in admitted]
         seqs = [(c, r.length, r.blocks) for c, r in zip(contexts, admitted)]
         scored = [i for i, r in enumerate(admitted) if self._scores(r)]
-        # heads follow only where steps may speculate (the batch this admission makes, as it starts)
-        drafting = self._heads is not None and self._speculation.may_speculate(len(self._active) + len(admitted))
-        kept = list(range(len(admitted))) if drafting else scored
+        # The heads follow only where steps may speculate (at the batch this admission makes), and
+        # run over the prompt only where the next step speculates; else its positions wait for them
+        # (speculative.HeadProgress), the last few hundred: a prompt's heads cost a tenth of its
+        # prefill, which a batch size that does not speculate would pay for nothing.
+        batch = len(self._active) + len(admitted)
+        follow = self._heads is not None and self._speculation.may_speculate(batch)
+        drafting = follow and self._speculation.speculating(batch)
+        kept = list(range(len(admitted))) if follow else scored
         if self.batch_invariant:
             runs = [self._forward.prefill_keeping([seq], [0] if i in scored else []) for i, seq in enumerate(seqs)]
             logits_BV = torch.cat([logits for logits, _ in runs])
@@ -636,8 +641,8 @@ class LocalEngine:
         todo = [(b, r) for b, r in enumerate(admitted) if id(r) in running]
         for b, request in todo:
             request.heads = HeadProgress(len(self._heads))
-            if drafting:
-                request.heads.extend(starts[b], hidden[b])
+            if follow:
+                request.heads.extend(starts[b], hidden[b], seen_before=drafting, cap=not drafting)
         if drafting:   # every head over the prompt: its keys are there for whichever depth comes next
             self._draft([r for _, r in todo], len(self._heads))
 
@@ -792,7 +797,7 @@ class LocalEngine:
         over (`HeadProgress`) and keep their drafts."""
         if not todo:
             return
-        runs = [DraftRun(hidden, r.context, start, r.blocks, r.params.temperature, r.generator)
+        runs = [DraftRun(hidden, r.context, start, r.blocks, r.params.temperature, r.generator, r.heads.unseen)
                 for r in todo for start, hidden in [r.heads.pending(depth)]]
         for request, run, drafted in zip(todo, runs, self._heads.draft(runs, depth)):
             request.drafts, request.draft_probs = drafted.tokens, drafted.probs

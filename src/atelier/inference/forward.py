@@ -504,26 +504,30 @@ class BatchedForward:
         kept = [x_1NM[0, batch.plans[i][0]:batch.plans[i][0] + batch.plans[i][1]] for i in keep]
         return self._logits(x_1NM[0, last]), kept
 
-    def flat_batch(self, seqs: list[tuple[list[int], int, list[int]]]) -> FlatBatch:
+    def flat_batch(self, seqs: list[tuple[list[int], int, list[int]]], unseen: list[int] | None = None
+                   ) -> FlatBatch:
         """Positions `start:` of every `(tokens, start, table)` as one flat batch, with each
-        sequence's attention plan (see `prefill_keeping`)."""
+        sequence's attention plan (see `prefill_keeping`). `unseen[b]`: sequence b's positions
+        before it are masked from its attention (keys never computed for the layers this batch
+        runs: the MTP heads' of a prompt they skipped)."""
         ids, pos, rows, spans = [], [], [], []
-        for tokens, start, table in seqs:
+        for b, (tokens, start, table) in enumerate(seqs):
             n = len(tokens) - start
-            spans.append((len(ids), n, start, table))
+            spans.append((len(ids), n, start, table, unseen[b] if unseen else 0))
             ids += tokens[start:]
             pos += range(start, len(tokens))
             rows += self.kv.rows(table, start, len(tokens))
         dev, dtype = self.device, self.core.embed_tokens.weight.dtype
         plans = []
-        for off, n, start, table in spans:
+        for off, n, start, table, before in spans:
             if start == 0:
                 plans.append((off, n, None, None))
                 continue
             # Additive and [1, 1, N, T], made once for every layer: SDPA's fused CPU kernel takes a 4-D
             # mask only (a 3-D one sent it to the unfused path, which materialises and softmaxes every
             # [H, N, T] score, far slower), and a boolean one it converts at every layer
-            hidden = torch.arange(start + n, device=dev)[None, :] > torch.arange(start, start + n, device=dev)[:, None]
+            keys_T, queries_N = torch.arange(start + n, device=dev), torch.arange(start, start + n, device=dev)
+            hidden = (keys_T[None, :] > queries_N[:, None]) | (keys_T < before)[None, :]
             mask_11NT = torch.zeros(hidden.shape, dtype=dtype, device=dev).masked_fill_(hidden, float("-inf"))
             plans.append((off, n, self._plan(table, start + n), mask_11NT[None, None]))
         return FlatBatch(torch.tensor(ids, dtype=torch.long, device=dev)[None],

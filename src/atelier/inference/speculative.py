@@ -62,6 +62,7 @@ class DraftRun(NamedTuple):
     table: list[int]
     temperature: float
     generator: torch.Generator
+    unseen: int = 0    # the heads attend to no position before this (`HeadProgress.unseen`)
 
 
 class Drafted(NamedTuple):
@@ -93,25 +94,32 @@ class HeadProgress:
         self._chunks: deque[torch.Tensor] = deque()   # the kept rows [n, M], in position order
         self._rows = 0
         self.redo = [0] * heads             # per head: the first position its next pass must run
+        self.unseen = 0                     # no head has keys before this position: they attend after it
+        self._extended = False
 
     @property
     def end(self) -> int:
         """The position after the last kept row."""
         return self.first + self._rows
 
-    def extend(self, first: int, hidden_nM: torch.Tensor) -> None:
+    def extend(self, first: int, hidden_nM: torch.Tensor, seen_before: bool = False, cap: bool = True) -> None:
         """The model's hidden states of positions `first ..`, just computed. Rows from `first` on
-        replace any kept ones; a gap since the kept rows drops them (those positions stay stale)."""
-        if first != self.end:
-            if first < self.first or first > self.end or not self._rows:
-                self._chunks.clear()
-                self.first, self._rows = first, 0
-            else:
-                self._keep(first - self.first)
+        replace any kept ones. Positions before the first rows, or in a gap since the kept ones,
+        no head will ever run over: the heads attend from `first` on (`unseen`), unless
+        `seen_before` (a prefix cache hit whose head keys an earlier request computed). Past
+        `MAX_BACKLOG` rows the oldest go (`cap` False: not yet, a pass over them comes next)."""
+        if not self._extended or first > self.end or first < self.first:
+            if not seen_before:
+                self.unseen = first
+            self._chunks.clear()
+            self.first, self._rows = first, 0
+        elif first < self.end:
+            self._keep(first - self.first)
+        self._extended = True
         self._chunks.append(hidden_nM)
         self._rows += hidden_nM.shape[0]
-        if self._rows > MAX_BACKLOG:
-            self._drop(self._rows - MAX_BACKLOG)
+        if cap:
+            self._cap()
         self.redo = [max(r, self.first) for r in self.redo]
 
     def pending(self, depth: int) -> tuple[int, torch.Tensor]:
@@ -126,6 +134,17 @@ class HeadProgress:
         for k in range(depth):   # (the rows before `first` are gone: such a key stays as it is)
             self.redo[k] = max(self.first, last + 1 - k)
         self._drop(min(self.redo) - self.first)
+        self._cap()
+
+    def _cap(self) -> None:
+        """At most `MAX_BACKLOG` rows. Where every head lags over the rows dropped, none will have
+        keys there: the heads then attend from the rows kept on (a window over the recent past)."""
+        over = self._rows - MAX_BACKLOG
+        if over > 0:
+            if max(self.redo) <= self.first:
+                self.unseen = self.first + over
+            self._drop(over)
+            self.redo = [max(r, self.first) for r in self.redo]
 
     def _drop(self, n: int) -> None:
         """Forget the first `n` kept rows."""
@@ -187,7 +206,8 @@ class DraftHeads:
         each run's `depth` drafts from its last position: the argmax of each head (greedy runs) or
         a draw from it at the run's temperature, with the distribution it was drawn from."""
         fw = self.forward
-        batch = fw.flat_batch([(r.tokens[:r.start + len(r.hidden_nM)], r.start, r.table) for r in runs])
+        batch = fw.flat_batch([(r.tokens[:r.start + len(r.hidden_nM)], r.start, r.table) for r in runs],
+                              unseen=[r.unseen for r in runs])
         last = torch.tensor([off + n - 1 for off, n, _, _ in batch.plans], device=fw.device)
         h_NM = torch.cat([r.hidden_nM for r in runs])
         drafts: list[list[int]] = [[] for _ in runs]
@@ -219,7 +239,8 @@ class DraftHeads:
         return run.tokens[at] if at < len(run.tokens) else drafts[at - len(run.tokens)]
 
 
-GAIN = 0.92           # another kind of step becomes current when its seconds per token are below this share
+GAIN = 0.95           # another kind of step becomes current when its seconds per token are below this share
+DEPTH_GAIN = 0.97     # ... of the current one's; this share between two depths that both speculate
 FAR = 1.5             # a probe this many times slower per token backs the next one off 8x, not 2x
 COMPARED = 16         # a kind's cost is over its last this many steps
 WARM_STEPS = 4        # plain steps at a batch size before its first probe of speculation
@@ -304,7 +325,8 @@ class SpeculationPolicy:
     Each batch size starts with plain steps, the kind that cannot lose. After `WARM_STEPS` of them
     the first probe runs every head (measuring all their acceptances), a few steps long (more at
     batch 1, where one step's tokens vary most); then the kind with the fewest seconds per token
-    becomes current if it beats the current one by `GAIN`. A step's cost moves with its
+    becomes current if it beats the current one by `GAIN` (`DEPTH_GAIN` between two depths that
+    both speculate). A step's cost moves with its
     sequences' lengths, so a cost from another workload (long agent contexts, then short chat
     replies) would decide a switch wrongly: a probe is judged against the current kind's steps
     just before and just after it, as many of each as it has (as a benchmark interleaves), and a
@@ -352,6 +374,10 @@ class SpeculationPolicy:
     def current(self, batch: int) -> int:
         """The depth steps at `batch` take now (auto mode, outside probes)."""
         return self._buckets[self.bucket(batch)].current if self.bucket(batch) in self._buckets else 0
+
+    def speculating(self, batch: int) -> bool:
+        """Whether a step at `batch` would speculate now (without counting it as taken)."""
+        return self._choose(batch) > 0
 
     def may_speculate(self, batch: int) -> bool:
         """Whether steps at `batch` could speculate (so the heads should follow them): not where
@@ -411,7 +437,7 @@ class SpeculationPolicy:
         # a depth nothing says anything of is worth measuring: 0.0, the most promising
         estimates = {d: v or 0.0 for d, v in self._per_token(state).items()}
         others = sorted((d for d in estimates if d != state.current), key=lambda d: (estimates[d], -d))
-        if estimates[others[0]] < GAIN * estimates[state.current]:
+        if estimates[others[0]] < self._gain(others[0], state.current) * estimates[state.current]:
             return others[0]
         near = [d for d in others if d in state.measured and estimates[d] <= FAR * estimates[state.current]]
         return min(near, key=lambda d: state.measured[d]) if near else others[0]
@@ -425,7 +451,7 @@ class SpeculationPolicy:
         known = self._per_token(state, fresh, last=2 * self.probe_steps(batch))
         estimates = {d: v for d, v in known.items() if v is not None}
         best = min(estimates, key=lambda d: (estimates[d], -d))
-        if best != state.current and estimates[best] < GAIN * estimates[state.current]:
+        if best != state.current and estimates[best] < self._gain(best, state.current) * estimates[state.current]:
             if best not in fresh and state.chained < self.depth:
                 # only a line through what was just measured says so: measure it (a few at most,
                 # or costs that are no line could send the probes from depth to depth)
@@ -435,7 +461,7 @@ class SpeculationPolicy:
             if best not in fresh:
                 best = min((d for d in estimates if d in fresh), key=lambda d: (estimates[d], -d))
         state.chained = 0
-        if best != state.current and estimates[best] < GAIN * estimates[state.current]:
+        if best != state.current and estimates[best] < self._gain(best, state.current) * estimates[state.current]:
             state.current = best
             self.switches += 1
             state.gap = state.countdown = FIRST_GAP
@@ -443,6 +469,13 @@ class SpeculationPolicy:
             ratio = estimates[probed] / max(estimates[state.current], 1e-12)
             state.gap = state.countdown = min(LAST_GAP, (8 if ratio > FAR else 2) * state.gap)
         state.yield_then = self.acceptance.tokens(state.current)
+
+    @staticmethod
+    def _gain(depth: int, current: int) -> float:
+        """The share of the current kind's seconds per token `depth` must come under to replace it:
+        a smaller margin between two speculative depths, whose costs were measured side by side
+        and whose tokens come from the same acceptance, than between speculating and not."""
+        return DEPTH_GAIN if depth and current else GAIN
 
     def _per_token(self, state: _Bucket, among: set[int] | None = None, last: int = COMPARED
                    ) -> dict[int, float | None]:
