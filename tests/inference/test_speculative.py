@@ -223,7 +223,7 @@ def _steps(policy: SpeculationPolicy, batch: int, costs: dict[int, float], accep
             kept = 0
             while kept < depth and rng.random() < acceptance[kept]:
                 kept += 1
-            policy.observe(depth, kept)
+            policy.observe(batch, depth, kept)
         policy.record(depth, batch, costs[depth])
         chosen.append(depth)
     return chosen
@@ -292,6 +292,18 @@ def test_policy_judges_speculation_by_its_acceptance_not_a_few_steps_tokens():
     assert policy.current(1) == 1 and policy.switches == 1
 
 
+def test_each_batch_size_judges_by_the_acceptance_of_its_own_text():
+    """Chat replies at batch 1 that the heads guess well, agent turns at batch 4 they guess badly,
+    in turn: batch 1 speculates, batch 4 does not, though most drafts the engine verifies are kept."""
+    policy = SpeculationPolicy(1, max_batch=16)
+    chosen = []
+    for turn in range(20):
+        _steps(policy, 1, {0: 0.010, 1: 0.0115}, [0.7], 100, seed=turn)
+        chosen += _steps(policy, 4, {0: 0.012, 1: 0.0160}, [0.05], 100, seed=100 + turn)
+    assert policy.current(1) == 1 and policy.current(4) == 0
+    assert policy.acceptance.rates()[0] > 0.5 and chosen.count(1) < 60   # (one rate for both: 571 of 2000)
+
+
 def test_policy_follows_the_heads_drift_back_to_plain_steps():
     """Heads that stop guessing (RL moved the policy away from them): the acceptance follows within
     a few hundred drafts and the policy returns to plain steps."""
@@ -320,7 +332,7 @@ def test_one_step_that_built_a_kernel_does_not_decide_a_probe():
     policy = SpeculationPolicy(1, max_batch=16)
     _steps(policy, 1, {0: 0.010, 1: 0.012}, [0.8], WARM_STEPS)
     assert policy.choose(1) == 1
-    policy.observe(1, 1)
+    policy.observe(1, 1, 1)
     policy.record(1, 1, 3.0)                                    # the compile: the probe's first step
     _steps(policy, 1, {0: 0.010, 1: 0.012}, [0.8], 20)
     assert policy.current(1) == 1 and policy.switches == 1

@@ -780,7 +780,7 @@ class LocalEngine:
                 if p.top_logprobs else [None] * len(out)
             self.stats["drafted"] += len(request.drafts)
             self.stats["accepted"] += len(out) - 1
-            self._speculation.observe(len(request.drafts), len(out) - 1)
+            self._speculation.observe(len(active), len(request.drafts), len(out) - 1)
             request.heads.extend(request.length, hidden_NM[at:at + len(out)])
             request.length += len(out)
             at += k

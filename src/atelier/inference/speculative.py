@@ -251,6 +251,7 @@ MIN_PROBE_STEPS = 4   # ... and at least this many steps (the longest is left ou
 FRESH = 32            # a switch compares only costs measured within this many steps of each other
 ACCEPTANCE_WINDOW = 256   # a head's acceptance is over about its last this many verified drafts
 PRIOR = 2.0               # ... and starts from the head before it's, worth this many drafts
+LOCAL_PRIOR = 8.0         # ... or, at one batch size, from every batch size's, worth this many
 
 
 class Acceptance:
@@ -258,11 +259,15 @@ class Acceptance:
     over about its last `ACCEPTANCE_WINDOW` verified drafts (so it follows the heads' drift as RL
     changes the weights). A head is tried only where every head before it guessed right, so a late
     head has few drafts to go by: each starts from the rate of the head before it (worth `PRIOR`
-    drafts; the first from one in two), since a later head rarely guesses better."""
+    drafts; the first from one in two), since a later head rarely guesses better. With a `prior`
+    (the engine's acceptance over every batch size, for one batch size's), each head starts from
+    the prior's rate instead, worth `LOCAL_PRIOR` drafts: text at one batch size (an agent's turns)
+    can be guessed worse than at another (chat replies), and a probe's few drafts need support."""
 
-    def __init__(self, heads: int) -> None:
+    def __init__(self, heads: int, prior: "Acceptance | None" = None) -> None:
         self.tried = [0.0] * heads
         self.kept = [0.0] * heads
+        self.prior = prior
 
     def observe(self, drafted: int, accepted: int) -> None:
         """One sequence's verification: `drafted` drafts, the first `accepted` of them kept (the
@@ -274,6 +279,9 @@ class Acceptance:
 
     def rates(self) -> list[float]:
         """Every head's acceptance, first head first."""
+        if self.prior is not None:
+            return [(kept + LOCAL_PRIOR * rate) / (tried + LOCAL_PRIOR)
+                    for tried, kept, rate in zip(self.tried, self.kept, self.prior.rates())]
         out, prior = [], 0.5
         for tried, kept in zip(self.tried, self.kept):
             prior = (kept + PRIOR * prior) / (tried + PRIOR)
@@ -294,6 +302,7 @@ class Acceptance:
 class _Bucket:
     """What the policy knows of one batch size (a power of two): see `SpeculationPolicy`."""
 
+    acceptance: Acceptance
     current: int = 0                                   # the drafts a step verifies now (0: plain steps)
     costs: dict[int, deque] = field(default_factory=dict)   # per depth: seconds per sequence-step, last steps
     countdown: int = WARM_STEPS                        # current-kind steps until the next probe
@@ -396,17 +405,25 @@ class SpeculationPolicy:
             return self.depth
         if batch > self.max_batch:
             return 0
-        state = self._buckets.setdefault(self.bucket(batch), _Bucket())
+        state = self._state(batch)
         return state.current if state.probing is None else state.probing
 
-    def observe(self, drafted: int, accepted: int) -> None:
+    def observe(self, batch: int, drafted: int, accepted: int) -> None:
+        """One sequence's verification in a step of `batch` sequences (see `Acceptance.observe`)."""
         if drafted > 0:
             self.acceptance.observe(drafted, accepted)
+            self._state(batch).acceptance.observe(drafted, accepted)
+
+    def _state(self, batch: int) -> _Bucket:
+        key = self.bucket(batch)
+        if key not in self._buckets:
+            self._buckets[key] = _Bucket(Acceptance(self.depth, prior=self.acceptance))
+        return self._buckets[key]
 
     def record(self, depth: int, batch: int, seconds: float) -> None:
         if not self.enabled or self.mode != "auto" or batch > self.max_batch:
             return
-        state = self._buckets.setdefault(self.bucket(batch), _Bucket())
+        state = self._state(batch)
         state.steps += 1
         if depth == state.probing:
             state.costs[depth].append(seconds / max(1, batch))
@@ -424,7 +441,7 @@ class SpeculationPolicy:
                     self._decide(state, batch, judged)
                 return
             state.countdown -= 1
-            if self.acceptance.tokens(depth) < GAIN * state.yield_then:
+            if state.acceptance.tokens(depth) < GAIN * state.yield_then:
                 state.countdown = 0   # the heads guess worse than when this depth was chosen: now
             if state.countdown <= 0:
                 self._probe(state, batch, self._next_probe(state))
@@ -468,7 +485,7 @@ class SpeculationPolicy:
         else:
             ratio = estimates[probed] / max(estimates[state.current], 1e-12)
             state.gap = state.countdown = min(LAST_GAP, (8 if ratio > FAR else 2) * state.gap)
-        state.yield_then = self.acceptance.tokens(state.current)
+        state.yield_then = state.acceptance.tokens(state.current)
 
     @staticmethod
     def _gain(depth: int, current: int) -> float:
@@ -501,5 +518,5 @@ class SpeculationPolicy:
                 cost = measured[lo] + (measured[hi] - measured[lo]) * (depth - lo) / (hi - lo)
                 if not above:
                     cost = max(cost, measured[hi])
-            out[depth] = cost / self.acceptance.tokens(depth)
+            out[depth] = cost / state.acceptance.tokens(depth)
         return out
