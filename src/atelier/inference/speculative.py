@@ -345,10 +345,10 @@ class SpeculationPolicy:
     the current depth was chosen (RL moved the policy), a probe comes at once. Gaps
     between probes count that batch size's own steps (not seconds: what else the engine ran in
     between says nothing of this batch size): after a switch the next probe comes `FIRST_GAP`
-    steps later; a probe that loses doubles the gap (multiplies it by 8 where it lost by `FAR`:
-    that far from paying, soon again would be waste) up to `LAST_GAP`. A probe also costs more than
-    its steps: the heads first catch up on the positions decoded without them (a whole prompt's,
-    on a new request). So where speculation does not pay it costs a few steps in a thousand, and
+    steps later; a probe that loses doubles the gap (multiplies it by 8 where speculation lost to
+    plain steps by `FAR`: that far from paying, soon again would be waste) up to `LAST_GAP`. A
+    probe also costs more than its steps: the heads first catch up on the positions decoded
+    without them (up to `MAX_BACKLOG` of a new request's prompt). So where speculation does not pay it costs a few steps in a thousand, and
     where it does it is on within a few dozen steps, at the depth that pays best."""
 
     MODES = ("auto", "always", "never")
@@ -483,8 +483,11 @@ class SpeculationPolicy:
             self.switches += 1
             state.gap = state.countdown = FIRST_GAP
         else:
+            # far from paying, speculation is not soon worth another look; but a depth that lost
+            # to another depth says nothing of plain steps, which the next probe may well measure
             ratio = estimates[probed] / max(estimates[state.current], 1e-12)
-            state.gap = state.countdown = min(LAST_GAP, (8 if ratio > FAR else 2) * state.gap)
+            far = ratio > FAR and state.current == 0
+            state.gap = state.countdown = min(LAST_GAP, (8 if far else 2) * state.gap)
         state.yield_then = state.acceptance.tokens(state.current)
 
     @staticmethod
