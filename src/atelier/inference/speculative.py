@@ -239,7 +239,7 @@ class DraftHeads:
         return run.tokens[at] if at < len(run.tokens) else drafts[at - len(run.tokens)]
 
 
-GAIN = 0.95           # another kind of step becomes current when its seconds per token are below this share
+GAIN = 0.92           # another kind of step becomes current when its seconds per token are below this share
 DEPTH_GAIN = 0.97     # ... of the current one's; this share between two depths that both speculate
 FAR = 1.5             # a probe this many times slower per token backs the next one off 8x, not 2x
 COMPARED = 16         # a kind's cost is over its last this many steps
@@ -348,8 +348,9 @@ class SpeculationPolicy:
     steps later; a probe that loses doubles the gap (multiplies it by 8 where speculation lost to
     plain steps by `FAR`: that far from paying, soon again would be waste) up to `LAST_GAP`. A
     probe also costs more than its steps: the heads first catch up on the positions decoded
-    without them (up to `MAX_BACKLOG` of a new request's prompt). So where speculation does not pay it costs a few steps in a thousand, and
-    where it does it is on within a few dozen steps, at the depth that pays best."""
+    without them (up to `MAX_BACKLOG` of a new request's prompt). So where speculation does not
+    pay it costs a few steps in a thousand, and where it does it is on within a few dozen steps,
+    at the depth that pays best."""
 
     MODES = ("auto", "always", "never")
 
