@@ -357,8 +357,8 @@ class LocalEngine:
 
     @property
     def speculation(self) -> SpeculationPolicy:
-        """The policy that decides per step whether to speculate, and with how many heads; its `mode` ("auto", "always",
-        "never") may be set between requests."""
+        """The policy that decides per step whether to speculate, and with how many heads; its
+        `mode` ("auto", "always", "never") may be set between requests."""
         return self._speculation
 
     @property
@@ -703,18 +703,16 @@ class LocalEngine:
     def _plain_decode(self) -> None:
         self._grow()
         active = self._active
+        for request in active:   # the heads do not run on plain steps: their drafts go stale
+            request.drafts, request.draft_probs = [], None
+        args = ([r.token_ids[-1] for r in active], [r.length for r in active], [r.blocks for r in active])
         if self.batch_invariant:
             logits_BV = torch.cat([self._forward.decode([r.token_ids[-1]], [r.length], [r.blocks]) for r in active])
         elif self._heads is None or not self._speculation.may_speculate(len(active)):
-            for request in active:   # the heads do not run on plain steps: their drafts go stale
-                request.drafts, request.draft_probs = [], None
-            logits_BV = self._forward.decode([r.token_ids[-1] for r in active], [r.length for r in active],
-                                             [r.blocks for r in active])
+            logits_BV = self._forward.decode(*args)
         else:   # ... and the positions wait for them (speculative.HeadProgress)
-            logits_BV, hidden_BM = self._forward.decode_keeping(
-                [r.token_ids[-1] for r in active], [r.length for r in active], [r.blocks for r in active])
+            logits_BV, hidden_BM = self._forward.decode_keeping(*args)
             for request, hidden_1M in zip(active, hidden_BM[:, None]):
-                request.drafts, request.draft_probs = [], None
                 request.heads.extend(request.length, hidden_1M)
         self.stats["steps"] += 1
         self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(active))

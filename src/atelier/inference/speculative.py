@@ -89,7 +89,6 @@ class HeadProgress:
     never kept (the engine keeps none where it cannot speculate) stay stale for every head."""
 
     def __init__(self, heads: int) -> None:
-        self.heads = heads
         self.first = 0                      # the position of the first kept row
         self._chunks: deque[torch.Tensor] = deque()   # the kept rows [n, M], in position order
         self._rows = 0
@@ -455,7 +454,7 @@ class SpeculationPolicy:
         # a depth nothing says anything of is worth measuring: 0.0, the most promising
         estimates = {d: v or 0.0 for d, v in self._per_token(state).items()}
         others = sorted((d for d in estimates if d != state.current), key=lambda d: (estimates[d], -d))
-        if estimates[others[0]] < self._gain(others[0], state.current) * estimates[state.current]:
+        if self._beats(estimates, others[0], state.current):
             return others[0]
         near = [d for d in others if d in state.measured and estimates[d] <= FAR * estimates[state.current]]
         return min(near, key=lambda d: state.measured[d]) if near else others[0]
@@ -468,8 +467,8 @@ class SpeculationPolicy:
         fresh = {d for d, at in state.measured.items() if at >= state.steps - FRESH}
         known = self._per_token(state, fresh, last=2 * self.probe_steps(batch))
         estimates = {d: v for d, v in known.items() if v is not None}
-        best = min(estimates, key=lambda d: (estimates[d], -d))
-        if best != state.current and estimates[best] < self._gain(best, state.current) * estimates[state.current]:
+        best = self._fastest(estimates, estimates)
+        if self._beats(estimates, best, state.current):
             if best not in fresh and state.chained < self.depth:
                 # only a line through what was just measured says so: measure it (a few at most,
                 # or costs that are no line could send the probes from depth to depth)
@@ -477,9 +476,9 @@ class SpeculationPolicy:
                 self._probe(state, batch, best)
                 return
             if best not in fresh:
-                best = min((d for d in estimates if d in fresh), key=lambda d: (estimates[d], -d))
+                best = self._fastest(estimates, fresh)
         state.chained = 0
-        if best != state.current and estimates[best] < self._gain(best, state.current) * estimates[state.current]:
+        if self._beats(estimates, best, state.current):
             state.current = best
             self.switches += 1
             state.gap = state.countdown = FIRST_GAP
@@ -490,6 +489,15 @@ class SpeculationPolicy:
             far = ratio > FAR and state.current == 0
             state.gap = state.countdown = min(LAST_GAP, (8 if far else 2) * state.gap)
         state.yield_then = state.acceptance.tokens(state.current)
+
+    @staticmethod
+    def _fastest(estimates: dict[int, float], among) -> int:
+        """The depth of `among` with the fewest seconds per token (the deeper one of a tie)."""
+        return min((d for d in estimates if d in among), key=lambda d: (estimates[d], -d))
+
+    def _beats(self, estimates: dict[int, float], depth: int, current: int) -> bool:
+        """Whether `depth` is enough faster than `current` to replace it (`_gain`)."""
+        return depth != current and estimates[depth] < self._gain(depth, current) * estimates[current]
 
     @staticmethod
     def _gain(depth: int, current: int) -> float:
