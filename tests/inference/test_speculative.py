@@ -15,7 +15,7 @@ from scipy.stats import chisquare
 
 from atelier.inference.engine import EngineError, LocalEngine
 from atelier.inference.sampling import make_generator, speculative_accept
-from atelier.inference.speculative import WARM_STEPS, HeadProgress, SpeculationPolicy
+from atelier.inference.speculative import LOOKUP_DRAFTS, WARM_STEPS, HeadProgress, SpeculationPolicy
 from atelier.inference.types import SamplingParams
 from atelier.mtp.heads import MTPHeads
 from atelier.mtp.store import save_mtp_heads
@@ -96,7 +96,7 @@ def test_drafts_from_part_of_the_vocabulary_keep_the_output_exact(roughly_agreei
     monkeypatch.setattr("atelier.inference.speculative.DRAFT_VOCAB", 64)
     runs = {}
     for spec in (False, True):
-        with LocalEngine(roughly_agreeing_dir, dtype="float32", compile=False, speculate=spec) as engine:
+        with LocalEngine(roughly_agreeing_dir, dtype="float32", compile=False, speculate=spec, lookup=False) as engine:
             if spec:
                 assert engine._heads.vocab == 64
             runs[spec] = [engine.generate(p, SamplingParams(max_tokens=25, temperature=0.0, stop_token_ids=(-1,)))
@@ -127,7 +127,7 @@ def test_speculative_samples_match_plain_samples(roughly_agreeing_dir):
     prompt, n = PROMPTS[0], 500
     counts = {}
     for name, spec in (("plain", False), ("spec", True)):
-        with LocalEngine(roughly_agreeing_dir, dtype="float32", compile=False, speculate=spec,
+        with LocalEngine(roughly_agreeing_dir, dtype="float32", compile=False, speculate=spec, lookup=False,
                          prefix_cache_tokens=0) as engine:
             seen = {}
             for seed in range(n):
@@ -189,12 +189,17 @@ def test_versions_and_logprobs_across_a_weight_update(agreeing_dir):
     assert all(v == 1 for v in out.versions[first_update[0]:])
 
 
-def test_a_model_without_heads_decodes_plainly_and_speculate_true_needs_heads(spiky_model_dir):
+def test_a_model_without_heads_decodes_plainly_unless_asked_and_then_looks_up(spiky_model_dir):
+    """No heads: plain decoding by default; `speculate=True` speculates with lookup drafts alone,
+    and refuses (naming the fix) with lookup off."""
     with LocalEngine(spiky_model_dir, dtype="float32", compile=False) as engine:
         engine.generate(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0.0))
-        assert engine.stats["speculative_steps"] == 0
-    with pytest.raises(EngineError, match="no MTP heads"):
-        LocalEngine(spiky_model_dir, dtype="float32", compile=False, speculate=True)
+        assert engine.stats["speculative_steps"] == 0 and not engine.speculates
+    with LocalEngine(spiky_model_dir, dtype="float32", compile=False, speculate=True) as engine:
+        assert engine.speculates and engine._heads is None
+    with pytest.raises(EngineError, match="no MTP heads") as error:
+        LocalEngine(spiky_model_dir, dtype="float32", compile=False, speculate=True, lookup=False)
+    assert "lookup" in error.value.hint
 
 
 def test_stop_sequences_and_max_tokens_cut_accepted_drafts(agreeing_dir):
@@ -211,19 +216,23 @@ def test_stop_sequences_and_max_tokens_cut_accepted_drafts(agreeing_dir):
 
 
 def _steps(policy: SpeculationPolicy, batch: int, costs: dict[int, float], acceptance: list[float], steps: int,
-           seed: int = 0) -> list[int]:
+           seed: int = 0, lookup: tuple[float, float] | None = None) -> list[int]:
     """`steps` steps as the engine takes them: choose a depth, verify each of the `batch` sequences'
-    drafts (head j kept with probability `acceptance[j]` once the drafts before it are), record the
-    step's seconds (`costs[depth]`). Returns the depths chosen."""
+    drafts (head j kept with probability `acceptance[j]` once the drafts before it are; with
+    `lookup` (share, rate), that share of sequences drafts `LOOKUP_DRAFTS` by lookup instead, each
+    kept with that rate), record the step's seconds (`costs[depth]`). Returns the depths chosen."""
     rng = random.Random(seed)
     chosen = []
     for _ in range(steps):
         depth = policy.choose(batch)
         for _ in range(batch if depth else 0):
+            looked_up = lookup is not None and rng.random() < lookup[0]
+            drafts, rates = (LOOKUP_DRAFTS, [lookup[1]] * LOOKUP_DRAFTS) if looked_up else \
+                (min(depth, len(acceptance)), acceptance)
             kept = 0
-            while kept < depth and rng.random() < acceptance[kept]:
+            while kept < drafts and rng.random() < rates[kept]:
                 kept += 1
-            policy.observe(batch, depth, kept)
+            policy.observe(batch, drafts, kept, looked_up=looked_up)
         policy.record(depth, batch, costs[depth])
         chosen.append(depth)
     return chosen
@@ -278,6 +287,30 @@ def test_a_probe_that_loses_is_one_probe():
     for (_, _), (between, steps), (after, _) in zip(runs, runs[1:], runs[2:]):
         assert between != 2 or after == 2 or steps > SpeculationPolicy.probe_steps(1)
     assert policy.current(1) == 2 and chosen.count(2) > 0.95 * len(chosen)
+
+
+def test_lookup_alone_speculates_where_contexts_repeat_and_not_where_they_do_not():
+    """No heads: one kind of speculative step (lookup drafts where a context repeats, a plain row
+    where not), judged by how often the contexts repeat: an agent's that quote their tools'
+    outputs pay, chat replies that rarely repeat do not."""
+    costs = {0: 0.012, 1: 0.0125}
+    agent = SpeculationPolicy(0, max_batch=16, lookup=True)
+    assert agent.depth == 1
+    chosen = _steps(agent, 4, costs, [], 300, lookup=(0.6, 0.8))
+    assert agent.current(4) == 1 and chosen[-100:].count(1) >= 90   # (a probe of plain steps now and then)
+    chat = SpeculationPolicy(0, max_batch=16, lookup=True)
+    chosen = _steps(chat, 4, costs, [], 2000, lookup=(0.03, 0.6))
+    assert chat.current(4) == 0 and chosen.count(1) < 60
+    assert 0.01 < chat.lookups.share() < 0.06
+
+
+def test_lookup_drafts_do_not_talk_the_policy_into_deep_heads():
+    """Heads whose later drafts miss, beside lookups that guess well: the lookups' long drafts
+    count as theirs, not as the heads', so the heads stay at the one draft that pays."""
+    policy = SpeculationPolicy(3, max_batch=16, lookup=True)
+    _steps(policy, 4, SMALL_BATCH, [0.7, 0.1, 0.1], 400, lookup=(0.5, 0.9))
+    assert policy.current(4) == 1
+    assert policy.acceptance.rates()[1] < 0.3 and policy.lookups.acceptance.rates()[3] > 0.7
 
 
 def test_policy_judges_speculation_by_its_acceptance_not_a_few_steps_tokens():
@@ -371,7 +404,7 @@ class ScriptedPolicy(SpeculationPolicy):
 
 def _head_keys(path, script: list[int]) -> tuple[list[int], list[torch.Tensor]]:
     """One greedy generation under `script`; its tokens, and each head's cached keys of its positions."""
-    with LocalEngine(path, dtype="float32", compile=False, speculate=True) as engine:
+    with LocalEngine(path, dtype="float32", compile=False, speculate=True, lookup=False) as engine:
         heads = len(engine._heads)
         engine._speculation = ScriptedPolicy(heads, script)
         kept = {}
@@ -405,7 +438,7 @@ def test_heads_catch_up_on_positions_decoded_without_them(heads_dir):
 def test_a_finished_request_keeps_nothing_for_its_heads(heads_dir):
     """A caller may hold a finished request's handle for long (an RL batch holds hundreds): it
     keeps neither the heads' hidden states nor drafts."""
-    with LocalEngine(heads_dir, dtype="float32", compile=False, speculate=True) as engine:
+    with LocalEngine(heads_dir, dtype="float32", compile=False, speculate=True, lookup=False) as engine:
         handle = engine.submit(PROMPTS[2], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(-1,)))
         handle.result()
         assert handle._request.heads is None and not handle._request.drafts

@@ -99,8 +99,22 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from atelier.errors import AtelierError, InfraError
 from atelier.inference.forward import BatchedForward
 from atelier.inference.prefix_cache import BlockPool
-from atelier.inference.sampling import make_generator, most_likely, sample_rows, speculative_accept, tempered
-from atelier.inference.speculative import DraftHeads, DraftRun, HeadProgress, SpeculationPolicy
+from atelier.inference.sampling import (
+    MIN_TEMPERATURE,
+    make_generator,
+    most_likely,
+    sample_rows,
+    speculative_accept,
+    tempered,
+)
+from atelier.inference.speculative import (
+    LOOKUP_DRAFTS,
+    DraftHeads,
+    DraftRun,
+    HeadProgress,
+    PromptLookup,
+    SpeculationPolicy,
+)
 from atelier.inference.threads import StepThreads
 from atelier.inference.threads import threads as running_on
 from atelier.inference.types import DEFAULT_KV_CACHE_TOKENS, DEFAULT_PREFIX_CACHE_TOKENS, Generation, SamplingParams
@@ -150,11 +164,16 @@ class _Request:
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     finish_reason: str | None = None
     error: BaseException | None = None
-    # speculative decoding (speculative.py): the MTP heads' guesses of the next tokens, the
-    # distributions they were drawn from (sampled requests), and how far each head has run
+    # speculative decoding (speculative.py): the guesses of the next tokens (the MTP heads' or a
+    # prompt lookup's), the distributions they were drawn from (sampled requests; None entries:
+    # looked up), the depth they were drafted for (0: none drafted since the last plain step),
+    # whether they were looked up, how far each head has run, and the request's lookup index
     drafts: list[int] = field(default_factory=list)
-    draft_probs: list[torch.Tensor] | None = None
+    draft_probs: list[torch.Tensor | None] | None = None
+    draft_depth: int = 0
+    looked_up: bool = False
     heads: HeadProgress | None = None
+    lookup: PromptLookup | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -223,7 +242,7 @@ class LocalEngine:
     `LocalEngine(path, device="cpu", dtype=None, max_batch=32, max_seq_len=None,
     kv_cache_tokens=32768, prefix_cache_tokens=16384, max_prefill_tokens=2048,
     max_queue=None, batch_invariant=False, threads=None, compile=None, speculate=None,
-    speculate_max_batch=16)`.
+    speculate_max_batch=16, lookup=True)`.
     `dtype=None` means bf16 where the hardware has it (see the module docstring).
     `kv_cache_tokens` is the whole KV memory, in token positions; `prefix_cache_tokens`
     bounds how much of it is kept registered for reuse (0: no prefix caching).
@@ -237,9 +256,11 @@ class LocalEngine:
     `compile` (None, the default: where a compiler is found) builds the decode attention kernel
     with `torch.compile` at the first step; False runs the same arithmetic eagerly.
     `speculate` (None, the default: where the model directory has MTP heads) decodes
-    speculatively with the heads (`atelier.inference.speculative`): at batch sizes up to
-    `speculate_max_batch`, and only while measured faster than plain steps; True requires heads,
-    False never loads them. Never with `batch_invariant`.
+    speculatively (`atelier.inference.speculative`): at batch sizes up to `speculate_max_batch`,
+    and only while measured faster than plain steps. Drafts come from the heads and, with `lookup`,
+    from the request's own context where its last tokens occurred before (a looked-up draft is
+    preferred: it costs nothing). True speculates with whatever the model has (lookup alone on a
+    model without heads), False never loads the heads. Never with `batch_invariant`.
     Use as a context manager or call `close()`.
     """
 
@@ -249,7 +270,7 @@ class LocalEngine:
                  kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS, max_prefill_tokens: int = 2048,
                  max_queue: int | None = None, batch_invariant: bool = False,
                  threads: int | None = None, compile: bool | None = None, speculate: bool | None = None,
-                 speculate_max_batch: int = 16) -> None:
+                 speculate_max_batch: int = 16, lookup: bool = True) -> None:
         if prefix_cache_tokens < 0:
             raise EngineError("prefix_cache_tokens must be >= 0", hint="0 turns the prefix cache off")
         if kv_cache_tokens < KV_BLOCK * 2:
@@ -285,13 +306,14 @@ class LocalEngine:
         # the thread count of the last step.
         self.stats = {"steps": 0, "max_batch_seen": 0, "prefills": 0, "prefill_tokens": 0,
                       "prefix_hit_tokens": 0, "preemptions": 0, "cancelled": 0, "max_waiting": 0,
-                      "threads": 0, "speculative_steps": 0, "drafted": 0, "accepted": 0}
+                      "threads": 0, "speculative_steps": 0, "drafted": 0, "accepted": 0,
+                      "lookup_drafted": 0, "lookup_accepted": 0}
         # The model is loaded on the scheduler thread, which then runs every step: all of the
         # engine's multi-threaded torch work happens on one thread (see `atelier.inference.threads`).
         loaded: list[BaseException | None] = []
         ready = threading.Event()
         load = (path, kv_cache_tokens, prefix_cache_tokens, max_seq_len, compile, threads,
-                (speculate, speculate_max_batch), loaded, ready)
+                (speculate, speculate_max_batch, lookup), loaded, ready)
         self._thread = threading.Thread(target=self._run, args=load, name=f"engine-{self.name}", daemon=True)
         self._thread.start()
         ready.wait()
@@ -300,14 +322,16 @@ class LocalEngine:
             raise loaded[0]
 
     def _load(self, path: Path, kv_cache_tokens: int, prefix_cache_tokens: int, max_seq_len: int | None,
-              compile: bool | None, threads: int | None, speculation: tuple[bool | None, int]) -> None:
+              compile: bool | None, threads: int | None, speculation: tuple[bool | None, int, bool]) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
-        speculate, speculate_max_batch = speculation
+        speculate, speculate_max_batch, lookup = speculation
         mtp = None if speculate is False or self.batch_invariant else load_mtp_heads(path, self.model)
-        if speculate and mtp is None:
-            raise EngineError(f"speculate=True, but {path} has no MTP heads (mtp.json, mtp.safetensors)",
-                              hint="train heads for it (atelier mtp attach), or leave speculate unset")
+        if speculate and mtp is None and not lookup:
+            raise EngineError(f"speculate=True with lookup off, but {path} has no MTP heads (mtp.json, "
+                              "mtp.safetensors)", hint="train heads for it (atelier mtp attach), or turn lookup on")
+        # lookup drafts wherever the engine speculates: with the heads, or alone where asked to
+        self._lookup = lookup and not self.batch_invariant and (mtp is not None or bool(speculate))
         blocks = kv_cache_tokens // KV_BLOCK
         self.kv_cache_tokens = blocks * KV_BLOCK
         limit = getattr(self.model.config, "max_position_embeddings", None) or 2048
@@ -315,7 +339,8 @@ class LocalEngine:
         self._forward = BatchedForward(self.model, blocks, KV_BLOCK, compile=compile,
                                        extra_kv_layers=len(mtp.heads) if mtp is not None else 0)
         self._heads = DraftHeads(mtp, self._forward) if mtp is not None else None
-        self._speculation = SpeculationPolicy(len(self._heads) if self._heads is not None else 0, speculate_max_batch)
+        self._speculation = SpeculationPolicy(len(self._heads) if self._heads is not None else 0, speculate_max_batch,
+                                              lookup=self._lookup)
         self.pool = BlockPool(blocks, KV_BLOCK, 0 if self.batch_invariant else prefix_cache_tokens // KV_BLOCK)
         self._targets = self.model.state_dict()
         eos = self.tokenizer.eos_token_id
@@ -352,8 +377,14 @@ class LocalEngine:
 
     @property
     def speculates(self) -> bool:
-        """Whether the engine has MTP heads to speculate with (speculative.py)."""
-        return self._heads is not None
+        """Whether the engine can speculate (speculative.py): it has MTP heads, or drafts by lookup."""
+        return self._heads is not None or self._lookup
+
+    @property
+    def drafters(self) -> tuple[str, ...]:
+        """Where speculative drafts come from: "heads" (the model's MTP heads), "lookup" (the
+        request's own context); empty where the engine does not speculate."""
+        return tuple(name for name, on in (("heads", self._heads is not None), ("lookup", self._lookup)) if on)
 
     @property
     def speculation(self) -> SpeculationPolicy:
@@ -644,7 +675,7 @@ class LocalEngine:
             if follow:
                 request.heads.extend(starts[b], hidden[b], seen_before=drafting, cap=not drafting)
         if drafting:   # every head over the prompt: its keys are there for whichever depth comes next
-            self._draft([r for _, r in todo], len(self._heads))
+            self._draft([r for _, r in todo], self._speculation.depth)
 
     @staticmethod
     def _scores(request: _Request) -> bool:
@@ -680,7 +711,7 @@ class LocalEngine:
         self._active.remove(request)
         self._release(request)
         request.length = 0
-        request.drafts, request.draft_probs, request.heads = [], None, None
+        request.drafts, request.draft_probs, request.draft_depth, request.heads = [], None, 0, None
         self.stats["preemptions"] += 1
         with self._cond:
             self._waiting.insert(0, request)
@@ -704,7 +735,7 @@ class LocalEngine:
         self._grow()
         active = self._active
         for request in active:   # the heads do not run on plain steps: their drafts go stale
-            request.drafts, request.draft_probs = [], None
+            request.drafts, request.draft_probs, request.draft_depth = [], None, 0
         args = ([r.token_ids[-1] for r in active], [r.length for r in active], [r.blocks for r in active])
         if self.batch_invariant:
             logits_BV = torch.cat([self._forward.decode([r.token_ids[-1]], [r.length], [r.blocks]) for r in active])
@@ -751,14 +782,19 @@ class LocalEngine:
     def _speculate(self, depth: int) -> bool:
         """One speculative step (speculative.py): verify every running request's last token and
         first `depth` drafts in one pass, emit what `speculative_accept` keeps, draft `depth` again.
-        Returns whether every request had its drafts: a step without them is a plain step plus the
-        heads, not what speculation at `depth` costs."""
-        active, full = list(self._active), True
+        A request with no drafts for `depth` yet tries a lookup first (it costs nothing). Returns
+        whether every request had been drafted for `depth`: a step without drafts is a plain step
+        plus the heads, not what speculation at `depth` costs."""
+        active = list(self._active)
+        stale = [r for r in active if r.draft_depth < depth]
+        if stale and self._lookup:
+            self._look_up(stale, depth)
+        full = True
         for request in active:   # never draft past what the request may still emit
             room = min(request.params.max_tokens - len(request.token_ids),
                        self.max_seq_len - len(request.context)) - 1
-            full = full and len(request.drafts) >= min(depth, max(0, room))
-            request.drafts = request.drafts[:max(0, min(depth, room))]
+            full = full and request.draft_depth >= min(depth, max(0, room))
+            request.drafts = request.drafts[:max(0, min(LOOKUP_DRAFTS if request.looked_up else depth, room))]
             if request.draft_probs is not None:
                 request.draft_probs = request.draft_probs[:len(request.drafts)]
         self._grow()
@@ -776,10 +812,9 @@ class LocalEngine:
                                      request.generator)
             tops = most_likely(*tempered(rows_KV[:len(out)], [p.temperature] * len(out)), p.top_logprobs) \
                 if p.top_logprobs else [None] * len(out)
-            self.stats["drafted"] += len(request.drafts)
-            self.stats["accepted"] += len(out) - 1
-            self._speculation.observe(len(active), len(request.drafts), len(out) - 1)
-            request.heads.extend(request.length, hidden_NM[at:at + len(out)])
+            self._count_drafts(request, len(active), len(out) - 1)
+            if request.heads is not None:
+                request.heads.extend(request.length, hidden_NM[at:at + len(out)])
             request.length += len(out)
             at += k
             for (token, logprob), top in zip(out, tops):
@@ -790,16 +825,50 @@ class LocalEngine:
         self._draft(todo, depth)
         return full
 
+    def _count_drafts(self, request: _Request, batch: int, accepted: int) -> None:
+        """A verified request's drafts into the stats and the policy's acceptance."""
+        drafted = len(request.drafts)
+        self.stats["drafted"] += drafted
+        self.stats["accepted"] += accepted
+        if request.looked_up:
+            self.stats["lookup_drafted"] += drafted
+            self.stats["lookup_accepted"] += accepted
+        self._speculation.observe(batch, drafted, accepted, looked_up=request.looked_up)
+
     def _draft(self, todo: list[_Request], depth: int) -> None:
-        """Run the first `depth` heads over the positions each request's heads have yet to run
-        over (`HeadProgress`) and keep their drafts."""
-        if not todo:
+        """Draft for each of `todo`: by lookup where its context repeats itself, else `depth`
+        tokens by the first `depth` heads, run over the positions its heads have yet to run over
+        (`HeadProgress`). A request that looked up leaves its heads behind; they catch up on the
+        next pass that runs them."""
+        rest = self._look_up(todo, depth) if self._lookup else todo
+        for request in rest:
+            request.drafts, request.draft_probs, request.draft_depth = [], None, depth
+        if not rest or self._heads is None:
             return
+        depth = min(depth, len(self._heads))
         runs = [DraftRun(hidden, r.context, start, r.blocks, r.params.temperature, r.generator, r.heads.unseen)
-                for r in todo for start, hidden in [r.heads.pending(depth)]]
-        for request, run, drafted in zip(todo, runs, self._heads.draft(runs, depth)):
+                for r in rest for start, hidden in [r.heads.pending(depth)]]
+        for request, run, drafted in zip(rest, runs, self._heads.draft(runs, depth)):
             request.drafts, request.draft_probs = drafted.tokens, drafted.probs
             request.heads.ran(depth, run.start + len(run.hidden_nM) - 1)
+
+    def _look_up(self, requests: list[_Request], depth: int) -> list[_Request]:
+        """Draft `LOOKUP_DRAFTS` tokens by lookup (`PromptLookup`) for each of `requests` whose
+        context repeats itself, whatever `depth` the heads would draft (lookup drafts cost no
+        heads); returns the others."""
+        rest = []
+        for request in requests:
+            if request.lookup is None:
+                request.lookup = PromptLookup()
+            proposal = request.lookup.propose(request.context, LOOKUP_DRAFTS)
+            request.looked_up = bool(proposal)
+            if not proposal:
+                rest.append(request)
+                continue
+            greedy = request.params.temperature < MIN_TEMPERATURE
+            request.drafts, request.draft_probs = proposal, None if greedy else [None] * len(proposal)
+            request.draft_depth = depth
+        return rest
 
     def _finish_reason(self, request: _Request, token: int) -> str | None:
         if token in request.stop_ids:
@@ -843,7 +912,8 @@ class LocalEngine:
         if reason in ("stop", "length"):
             request.routes = self._routes(request)
         self._release(request)
-        request.drafts, request.draft_probs, request.heads = [], None, None   # a held handle keeps none of it
+        # a held handle keeps none of it
+        request.drafts, request.draft_probs, request.heads, request.lookup = [], None, None, None
         request.finish_reason, request.error = reason, error
         if reason == "abort":
             self.stats["cancelled"] += 1

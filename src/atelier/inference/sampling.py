@@ -132,11 +132,12 @@ def draw_from(weights_V: torch.Tensor, generator: torch.Generator) -> int:
     return min(int(torch.searchsorted(cdf_V, (u * cdf_V[-1])[None], right=True)[0]), weights_V.shape[0] - 1)
 
 
-def speculative_accept(logits_KV: torch.Tensor, drafts: list[int], draft_probs: list[torch.Tensor] | None,
+def speculative_accept(logits_KV: torch.Tensor, drafts: list[int], draft_probs: list[torch.Tensor | None] | None,
                        temperature: float, top_p: float, generator: torch.Generator) -> list[tuple[int, float]]:
     """The tokens a speculative step emits and their logprobs: `logits_KV` are the model's fp32
     logits at the step's K = len(drafts) + 1 positions (after the last token, then after each
-    draft), `draft_probs[i]` the distribution draft i was drawn from (None: greedy drafts).
+    draft), `draft_probs[i]` the distribution draft i was drawn from (None: greedy drafts; an entry
+    None: a draft chosen, not drawn, as a prompt lookup's, whose distribution is all on it).
 
     Standard speculative sampling: draft i is kept with probability min(1, p_i(d) / q_i(d)) (p_i:
     the model's distribution there, tempered and top-p cut as `sample_rows` samples); at the first
@@ -162,10 +163,14 @@ def speculative_accept(logits_KV: torch.Tensor, drafts: list[int], draft_probs: 
             p_V = p_V / p_V.sum()
             q_V = draft_probs[i]
             u = float(torch.rand((), generator=generator, dtype=torch.float64))
-            if u * float(q_V[d]) <= float(p_V[d]):
+            if u * (1.0 if q_V is None else float(q_V[d])) <= float(p_V[d]):
                 out.append(d)
                 continue
-            residual_V = (p_V - q_V).clamp_(min=0.0)
+            if q_V is None:   # a draft not drawn (q: all mass on it): the residual is p without it
+                residual_V = p_V.clone()
+                residual_V[d] = 0.0
+            else:
+                residual_V = (p_V - q_V).clamp_(min=0.0)
             # no mass left over only when q is p up to rounding: then p itself
             out.append(draw_from(residual_V if float(residual_V.sum()) > 0 else p_V, generator))
             break

@@ -297,11 +297,81 @@ class Acceptance:
         return total
 
 
+class LookupYield:
+    """What lookup drafts yield: how often a speculating sequence's context repeats itself (its
+    share of sequence-steps that looked up, exponentially weighted over about the last
+    `ACCEPTANCE_WINDOW`), and the acceptance of the drafts it then proposes. With a `prior` (the
+    engine's, for one batch size's), both start from the prior's, worth `LOCAL_PRIOR` steps."""
+
+    def __init__(self, prior: "LookupYield | None" = None) -> None:
+        self.acceptance = Acceptance(LOOKUP_DRAFTS, prior.acceptance if prior is not None else None)
+        self.steps = 0.0
+        self.matched = 0.0
+        self.prior = prior
+
+    def observe(self, drafted: int, accepted: int, matched: bool) -> None:
+        """One sequence's speculative step: whether a lookup drafted it, and how that fared."""
+        keep = 1.0 - 1.0 / ACCEPTANCE_WINDOW
+        self.steps = self.steps * keep + 1.0
+        self.matched = self.matched * keep + float(matched)
+        if matched:
+            self.acceptance.observe(drafted, accepted)
+
+    def share(self) -> float:
+        """The share of sequence-steps a lookup drafts."""
+        prior, weight = (self.prior.share(), LOCAL_PRIOR) if self.prior is not None else (0.5, PRIOR)
+        return (self.matched + weight * prior) / (self.steps + weight)
+
+    def tokens(self, heads_tokens: float) -> float:
+        """A sequence's tokens per speculative step: a lookup's where it drafts, else what the
+        heads' drafts yield (`heads_tokens`; 1.0 without heads)."""
+        share = self.share()
+        return share * self.acceptance.tokens(LOOKUP_DRAFTS) + (1.0 - share) * heads_tokens
+
+
+LOOKUP_MIN, LOOKUP_MAX = 2, 4
+"""The n-gram lengths `PromptLookup` matches, the longest first (a single token's last occurrence
+predicts what follows it far worse than two tokens' does)."""
+LOOKUP_DRAFTS = 4
+"""The drafts a lookup proposes, whatever the heads' depth: they cost no heads, and a verified row
+about a twentieth of a plain step at batch 1."""
+
+
+class PromptLookup:
+    """Drafts copied from a request's own context (prompt lookup): where its last n tokens occurred
+    before (n from `LOOKUP_MAX` down to `LOOKUP_MIN`, the latest occurrence), the tokens that
+    followed them there, and where those reach the end of the context, the same again (a text
+    that repeats with that period goes on repeating). An agent's turns quote the files, tool
+    outputs and earlier turns in their context, so the model often repeats a stretch it has seen;
+    such drafts cost no heads at all, and a model without heads can speculate with them. Every
+    n-gram's latest occurrence is kept in a dict, indexed as the context grows: a proposal costs a
+    few lookups, the whole prompt is indexed once."""
+
+    def __init__(self) -> None:
+        self._follows: dict[tuple[int, ...], int] = {}   # n-gram -> where what followed its latest occurrence starts
+        self._indexed = 0   # the n-grams ending before this position are in `_follows`
+
+    def propose(self, context: list[int], depth: int) -> list[int]:
+        """Up to `depth` tokens that followed the longest repeated suffix of `context` (none: no
+        suffix of `LOOKUP_MIN` tokens or more occurred before)."""
+        end = len(context)
+        for at in range(max(self._indexed, LOOKUP_MIN), end):   # the suffix itself (at == end) stays out
+            for n in range(LOOKUP_MIN, min(LOOKUP_MAX, at) + 1):
+                self._follows[tuple(context[at - n:at])] = at
+        self._indexed = max(self._indexed, end)
+        for n in range(min(LOOKUP_MAX, end), LOOKUP_MIN - 1, -1):
+            at = self._follows.get(tuple(context[end - n:]))
+            if at is not None:   # past the end, the repeat runs on: a cycle drafts a whole depth
+                return [context[at + i % (end - at)] for i in range(depth)]
+        return []
+
+
 @dataclass
 class _Bucket:
     """What the policy knows of one batch size (a power of two): see `SpeculationPolicy`."""
 
     acceptance: Acceptance
+    lookups: "LookupYield | None" = None                 # what lookup drafts yield (None: no lookup)
     current: int = 0                                   # the drafts a step verifies now (0: plain steps)
     costs: dict[int, deque] = field(default_factory=dict)   # per depth: seconds per sequence-step, last steps
     countdown: int = WARM_STEPS                        # current-kind steps until the next probe
@@ -353,10 +423,12 @@ class SpeculationPolicy:
 
     MODES = ("auto", "always", "never")
 
-    def __init__(self, depth: int, max_batch: int) -> None:
-        self.depth, self.max_batch = depth, max_batch
+    def __init__(self, depth: int, max_batch: int, lookup: bool = False) -> None:
+        self.heads = depth
+        self.depth, self.max_batch = max(depth, 1) if lookup else depth, max_batch
         self.mode = "auto"
         self.acceptance = Acceptance(depth)
+        self.lookups = LookupYield() if lookup else None
         self._buckets: dict[int, _Bucket] = {}
         self.switches = 0
         self.chosen: Counter[int] = Counter()    # steps taken at each depth
@@ -408,16 +480,33 @@ class SpeculationPolicy:
         state = self._state(batch)
         return state.current if state.probing is None else state.probing
 
-    def observe(self, batch: int, drafted: int, accepted: int) -> None:
-        """One sequence's verification in a step of `batch` sequences (see `Acceptance.observe`)."""
-        if drafted > 0:
+    def observe(self, batch: int, drafted: int, accepted: int, looked_up: bool = False) -> None:
+        """One sequence's verification in a step of `batch` sequences (see `Acceptance.observe`):
+        of the heads' drafts, or (`looked_up`) a lookup's. With lookup on, every speculating
+        sequence-step counts towards how often a lookup drafts."""
+        state = self._state(batch)
+        if self.lookups is not None:
+            self.lookups.observe(drafted, accepted, looked_up)
+            state.lookups.observe(drafted, accepted, looked_up)
+        if drafted > 0 and not looked_up:
             self.acceptance.observe(drafted, accepted)
-            self._state(batch).acceptance.observe(drafted, accepted)
+            state.acceptance.observe(drafted, accepted)
+
+    def tokens(self, batch: int, depth: int) -> float:
+        """A sequence's expected tokens per step at `depth` (0: a plain step's one)."""
+        return self._tokens(self._state(batch), depth)
+
+    def _tokens(self, state: _Bucket, depth: int) -> float:
+        if depth == 0:
+            return 1.0
+        heads = state.acceptance.tokens(min(depth, self.heads))
+        return heads if state.lookups is None else state.lookups.tokens(heads)
 
     def _state(self, batch: int) -> _Bucket:
         key = self.bucket(batch)
         if key not in self._buckets:
-            self._buckets[key] = _Bucket(Acceptance(self.depth, prior=self.acceptance))
+            lookups = LookupYield(prior=self.lookups) if self.lookups is not None else None
+            self._buckets[key] = _Bucket(Acceptance(self.heads, prior=self.acceptance), lookups)
         return self._buckets[key]
 
     def record(self, depth: int, batch: int, seconds: float) -> None:
@@ -441,7 +530,7 @@ class SpeculationPolicy:
                     self._decide(state, batch, judged)
                 return
             state.countdown -= 1
-            if state.acceptance.tokens(depth) < GAIN * state.yield_then:
+            if self._tokens(state, depth) < GAIN * state.yield_then:
                 state.countdown = 0   # the heads guess worse than when this depth was chosen: now
             if state.countdown <= 0:
                 self._probe(state, batch, self._next_probe(state))
@@ -488,7 +577,7 @@ class SpeculationPolicy:
             ratio = estimates[probed] / max(estimates[state.current], 1e-12)
             far = ratio > FAR and state.current == 0
             state.gap = state.countdown = min(LAST_GAP, (8 if far else 2) * state.gap)
-        state.yield_then = state.acceptance.tokens(state.current)
+        state.yield_then = self._tokens(state, state.current)
 
     @staticmethod
     def _fastest(estimates: dict[int, float], among) -> int:
@@ -530,5 +619,5 @@ class SpeculationPolicy:
                 cost = measured[lo] + (measured[hi] - measured[lo]) * (depth - lo) / (hi - lo)
                 if not above:
                     cost = max(cost, measured[hi])
-            out[depth] = cost / state.acceptance.tokens(depth)
+            out[depth] = cost / self._tokens(state, depth)
         return out
