@@ -1,13 +1,15 @@
-"""Speculative decoding with MTP heads against plain decoding, on the same engine; one JSON object.
+"""Speculative decoding against plain decoding, on the same engine; one JSON object.
 
-One built-in engine over a model directory with MTP heads (`atelier mtp attach` writes one)
-decodes the same requests with speculation off (`never`), forced on (`always`) and as the engine
-chooses (`auto`), interleaved: each batch size runs every mode before the next batch size, and the
-whole set is repeated (`--repeats`, at least 2). Workloads: chat prompts, greedy, `--new-tokens`
-each, at batch 1, 4, 16 and 32 (`--batches`; below batch 8, 8 prompts a batch at a time, so a small
-batch is not one prompt's luck); and the agent workload of inference.py (the harness's
-real prompt, turns extended by replies and a tool output). Per mode: tokens/s (seconds for the
-agent), the load when it started, drafted and accepted tokens, mean accepted length (tokens a
+One built-in engine over a model directory, drafting with its MTP heads (`atelier mtp attach`
+writes them) and by lookup in each request's context (`--no-lookup`: heads alone; a model
+without heads: lookup alone), decodes the same requests with speculation off (`never`), forced
+on (`always`) and as the engine chooses (`auto`), interleaved: each batch size runs every mode
+before the next batch size, and the whole set is repeated (`--repeats`, at least 2). Workloads:
+chat prompts, greedy, `--new-tokens` each, at batch 1, 4, 16 and 32 (`--batches`; below batch 8,
+8 prompts a batch at a time, so a small batch is not one prompt's luck); and the agent workload
+of inference.py (the harness's real prompt, turns extended by replies and a tool output). Per
+mode: tokens/s (seconds for the agent), the load when it started, drafted and accepted tokens
+(and of them, the looked-up ones), mean accepted length (tokens a
 verifying step emits, its correction or bonus token included). Per workload the summary also
 gives what a speculative step costs in plain steps (forced speculation's accepted length over its
 speed-up) and the accepted length a 1.5x speed-up would need at that cost.
@@ -18,7 +20,7 @@ tokens at T=0.7 (the first two tokens of `--samples` seeded completions of one p
 chi-square test of homogeneity that should not reject: p > 0.01).
 
     python benchmarks/speculative.py --model ~/.cache/atelier/models/smollm2-135m-mtp \
-        [--batches 1,4,16,32] [--new-tokens 64] [--repeats 2] [--samples 300] [--threads 2] [--no-save]
+        [--batches 1,4,16,32] [--new-tokens 64] [--repeats 2] [--samples 300] [--threads 2] [--no-lookup] [--no-save]
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def stats_delta(engine, before: dict, tokens: int) -> dict:
     steps = engine.stats["speculative_steps"] - before["speculative_steps"]
     drafted = engine.stats["drafted"] - before["drafted"]
     accepted = engine.stats["accepted"] - before["accepted"]
-    return {"speculative_steps": steps, "drafted": drafted, "accepted": accepted,
+    looked_up = {k: engine.stats[k] - before[k] for k in ("lookup_drafted", "lookup_accepted")}
+    return {"speculative_steps": steps, "drafted": drafted, "accepted": accepted, **looked_up,
             "acceptance": round(accepted / drafted, 3) if drafted else None,
             "mean_accepted_length": round(tokens / (tokens - accepted), 3) if steps and tokens > accepted else None}
 
@@ -106,14 +109,14 @@ def summarize(runs: list[dict]) -> dict:
     return out
 
 
-def checks(model: Path, new_tokens: int, samples: int) -> dict:
+def checks(model: Path, new_tokens: int, samples: int, lookup: bool) -> dict:
     """greedy_identical and the two-sample test, on an fp32 engine (see the module docstring)."""
     from scipy.stats import chi2_contingency
 
     from atelier.inference.engine import LocalEngine
     from atelier.inference.types import SamplingParams
 
-    with LocalEngine(model, dtype="float32", speculate=True, prefix_cache_tokens=0) as engine:
+    with LocalEngine(model, dtype="float32", speculate=True, prefix_cache_tokens=0, lookup=lookup) as engine:
         prompts = chat_prompts(engine.tokenizer, 8)
         greedy = SamplingParams(max_tokens=new_tokens, temperature=0.0, stop_token_ids=(-1,))
         outs = {}
@@ -142,7 +145,9 @@ def checks(model: Path, new_tokens: int, samples: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", required=True, help="a model directory with MTP heads")
+    parser.add_argument("--model", required=True, help="a model directory (with MTP heads, or without: "
+                        "lookup drafts alone)")
+    parser.add_argument("--no-lookup", action="store_true", help="draft with the heads alone")
     parser.add_argument("--batches", default="1,4,16,32")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
@@ -164,9 +169,11 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     report = {"benchmark": "speculative", **record.stamp(), "model": str(model), "batches": batches,
               "new_tokens": args.new_tokens, "repeats": args.repeats, "threads": args.threads}
-    with LocalEngine(model, speculate=True, max_batch=max(batches), threads=args.threads) as engine:
+    with LocalEngine(model, speculate=True, max_batch=max(batches), threads=args.threads,
+                     lookup=not args.no_lookup) as engine:
         report["dtype"] = str(engine.dtype).removeprefix("torch.")
-        report["heads"] = read_mtp_meta(model)["heads"]
+        report["heads"] = (read_mtp_meta(model) or {"heads": 0})["heads"]
+        report["drafters"] = list(engine.drafters)
         chat = chat_prompts(engine.tokenizer, max(max(batches), GROUP_PROMPTS))
         params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, stop_token_ids=(-1,))
         agents = agent_prompts(engine.tokenizer, args.agents)
@@ -184,7 +191,7 @@ def main() -> None:
                     runs.append(row)
     report["runs"] = runs
     report["summary"] = summarize(runs)
-    report["checks"] = checks(model, args.new_tokens, args.samples)
+    report["checks"] = checks(model, args.new_tokens, args.samples, not args.no_lookup)
     print(json.dumps(record.finish("speculative", report, not args.no_save), indent=1))
 
 

@@ -43,8 +43,12 @@ def serve(
         None, "--compile/--no-compile", help="Build the decode kernels with torch.compile (default: where a "
                                              "C++ compiler is found)."),
     speculate: Optional[bool] = typer.Option(
-        None, "--speculate/--no-speculate", help="Decode speculatively with the model's MTP heads (default: "
-                                                 "where it has them, while that is faster)."),
+        None, "--speculate/--no-speculate", help="Decode speculatively (default: where the model has MTP "
+                                                 "heads, while that is faster; --speculate on a model "
+                                                 "without heads drafts by lookup alone)."),
+    lookup: bool = typer.Option(
+        True, "--lookup/--no-lookup", help="Where speculating, also draft the tokens that followed the "
+                                           "context's last tokens where they occurred before."),
 ) -> None:
     """Serve MODEL over HTTP: /v1/chat/completions and /v1/completions (OpenAI, streaming,
     logprobs, echo), /v1/models, /v1/generate (token ids), /health, and /v1/weights when
@@ -73,11 +77,19 @@ def serve(
     return_freed_memory()   # a request's large activations go back to the OS when it ends
     with open_model(model, device=device, dtype=dtype, max_batch=max_batch, kv_cache_tokens=kv_cache_tokens,
                     prefix_cache_tokens=prefix_cache_tokens, max_queue=max_queue, threads=threads,
-                    compile=compile, speculate=speculate) as engine:
+                    compile=compile, speculate=speculate, lookup=lookup) as engine:
         typer.echo(f"serving {engine.name} ({str(engine.dtype).removeprefix('torch.')}, KV "
                    f"{engine.kv_bytes / 2**20:.0f} MiB for {engine.kv_cache_tokens} tokens) on "
                    f"http://{host}:{port}/v1{', API key required' if api_key else ''}"
                    f"{f', weight updates from {weights_dir}' if weights_dir else ''}"
-                   f"{', speculating with its MTP heads' if getattr(engine, 'speculates', False) else ''}", err=True)
+                   f"{speculation(engine)}", err=True)
         app = create_app(engine, api_key=api_key, weights_dir=weights_dir)
         uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
+
+def speculation(engine) -> str:
+    """What the start-up line says of the engine's speculative decoding ('' where it has none)."""
+    names = {"heads": "its MTP heads", "lookup": "lookup drafts"}
+    drafters = [names[d] for d in getattr(engine, "drafters", ())]
+    return f", speculating with {' and '.join(drafters)}" if drafters else ""

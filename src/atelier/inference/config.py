@@ -26,9 +26,14 @@ class BuiltinEngineConfig(AtelierConfig):
     """Build the decode step's kernels with `torch.compile` (None: where a C++ compiler or a GPU
     is found). False runs the same arithmetic eagerly, slower."""
     speculate: Optional[bool] = None
-    """Decode speculatively with the model's MTP heads (mtp.json beside its weights; `atelier mtp
-    attach` trains them). None: where the model has heads, and only while it measures faster
-    than plain decoding; True: the model must have heads; False: never."""
+    """Decode speculatively: draft a few tokens, verify them in one pass. None: where the model has
+    MTP heads (mtp.json beside its weights; `atelier mtp attach` trains them), and only while it
+    measures faster than plain decoding; True: with whatever the model has (lookup drafts alone on
+    a model without heads); False: never."""
+    lookup: bool = True
+    """Where speculating, draft by prompt lookup too: the tokens that followed the context's last
+    few tokens where they occurred before (an agent's turns quote files and tool outputs). Free
+    to draft, preferred to the heads where it finds a repeat."""
     speculate_max_batch: int = Field(16, ge=1)
     """No speculation above this many running sequences (a large batch on a CPU gains nothing)."""
 

@@ -186,4 +186,5 @@ def open_model(spec: str | Path, *, inference: "InferenceConfig | None" = None, 
         kwargs.setdefault("compile", inference.builtin.compile)
         kwargs.setdefault("speculate", inference.builtin.speculate)
         kwargs.setdefault("speculate_max_batch", inference.builtin.speculate_max_batch)
+        kwargs.setdefault("lookup", inference.builtin.lookup)
     return LocalEngine(path, **kwargs)
