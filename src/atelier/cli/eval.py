@@ -44,6 +44,10 @@ def eval_cmd(
                                                     "(default: the first it lists)."),
     engine: Engine = typer.Option(Engine.builtin, "--engine", help=ENGINE_HELP),
     vllm_sets: List[str] = typer.Option([], "--vllm", help=VLLM_HELP),
+    speculate: Optional[bool] = typer.Option(
+        None, "--speculate/--no-speculate", help="Built-in engine: decode speculatively (default: where the model "
+                                                 "has MTP heads; --speculate on a model without heads drafts by "
+                                                 "lookup in the agent's context)."),
     as_json: bool = typer.Option(False, "--json", help="Print the metrics as one JSON object only."),
 ) -> None:
     """Evaluate MODEL on TASKS: sandbox per attempt, agent loop, hidden-test grading.
@@ -64,7 +68,7 @@ def eval_cmd(
     table = load_prices(prices)
     task_list = load_tasks(tasks, split)
     policy = open_eval_model(model, api_key=api_key, served_model=served_model,
-                             inference=inference_config(engine.value, vllm_sets))
+                             inference=inference_config(engine.value, vllm_sets, speculate))
 
     if not as_json:
         typer.echo(f"evaluating {policy.name} on {len(task_list)} task(s) x {config.passes} pass(es), "

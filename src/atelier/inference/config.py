@@ -50,6 +50,8 @@ class InferenceConfig(AtelierConfig):
     """How atelier runs or reaches a vLLM server (engine = "vllm")."""
 
 
-def inference_config(engine: str, vllm_sets: Sequence[str] = ()) -> InferenceConfig:
-    """The `InferenceConfig` of the CLI's `--engine E --vllm KEY=VALUE ...` (typos fail like recipe keys)."""
-    return load_config(InferenceConfig, None, [f"engine={engine}", *(f"vllm.{s}" for s in vllm_sets)])
+def inference_config(engine: str, vllm_sets: Sequence[str] = (), speculate: bool | None = None) -> InferenceConfig:
+    """The `InferenceConfig` of the CLI's `--engine E --vllm KEY=VALUE ... [--speculate]` (typos fail
+    like recipe keys)."""
+    builtin = [] if speculate is None else [f"builtin.speculate={str(speculate).lower()}"]
+    return load_config(InferenceConfig, None, [f"engine={engine}", *(f"vllm.{s}" for s in vllm_sets), *builtin])
