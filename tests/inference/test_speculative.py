@@ -304,6 +304,16 @@ def test_lookup_alone_speculates_where_contexts_repeat_and_not_where_they_do_not
     assert 0.01 < chat.lookups.share() < 0.06
 
 
+def test_a_kind_whose_steps_draft_now_and_then_costs_its_mean_step():
+    """Lookups in a few contexts: most speculative steps draft nothing and cost a plain step, the
+    others verify their drafts' rows and cost more. The kind costs its mean step (its median would
+    make it look free), while a step that built a kernel still counts for nothing."""
+    mixed = [0.012] * 10 + [0.018] * 6
+    assert SpeculationPolicy.typical_cost(mixed) == pytest.approx(sum(mixed) / len(mixed))
+    assert SpeculationPolicy.typical_cost([0.012] * 5 + [2.0]) == pytest.approx(0.012)
+    assert SpeculationPolicy.typical_cost([]) == 0.0
+
+
 def test_lookup_drafts_do_not_talk_the_policy_into_deep_heads():
     """Heads whose later drafts miss, beside lookups that guess well: the lookups' long drafts
     count as theirs, not as the heads', so the heads stay at the one draft that pays."""

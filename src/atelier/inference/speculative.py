@@ -1,4 +1,5 @@
-"""Speculative decoding with a model's MTP heads: draft a few tokens cheaply, verify them in one pass.
+"""Speculative decoding: draft a few tokens cheaply (a model's MTP heads, or lookup in the request's
+own context), verify them in one pass.
 
 A decode step on a CPU reads every weight of the model to produce one token per sequence; a pass
 over a few tokens per sequence reads them once too. So the engine lets the model's multi-token
@@ -16,6 +17,12 @@ head's input token past the known ones is the draft of the head before it. What 
 from a draft is recomputed on the next pass (it starts k - 1 positions back: `HeadProgress`), so a
 head that runs on every step holds keys that describe the sequence as it is. Drafts only ever
 propose: a wrong or stale head key lowers acceptance, never changes what is emitted.
+
+`PromptLookup` drafts without any model: where a request's last few tokens occurred earlier in
+its context, the tokens that followed them there (an agent quotes what it read). A looked-up draft
+is chosen, not drawn, and verified as one whose distribution is all on it. A request whose
+context repeats itself drafts by lookup, the others with the heads; a model without heads can
+speculate by lookup alone.
 
 `SpeculationPolicy` decides per step whether to speculate and with how many of the heads: it
 measures what each kind of step costs per batch size and keeps the one with the fewest seconds
@@ -246,7 +253,8 @@ WARM_STEPS = 4        # plain steps at a batch size before its first probe of sp
 FIRST_GAP = 64        # steps of the current kind between probes after a switch (and half the first loss's)
 LAST_GAP = 4096       # the longest gap between probes of kinds that keep losing
 PROBE_STEPS = 8       # a probe covers this many sequence-steps (steps x batch) ...
-MIN_PROBE_STEPS = 4   # ... and at least this many steps (the longest is left out of its figure)
+MIN_PROBE_STEPS = 4   # ... and at least this many steps (one that built a kernel is left out of its figure)
+OUTLIER = 2.0         # a step over this many times its kind's median is left out of its cost
 FRESH = 32            # a switch compares only costs measured within this many steps of each other
 ACCEPTANCE_WINDOW = 256   # a head's acceptance is over about its last this many verified drafts
 PRIOR = 2.0               # ... and starts from the head before it's, worth this many drafts
@@ -390,13 +398,15 @@ class SpeculationPolicy:
     """How many drafts the next step verifies, 0 for a plain step (see the module docstring):
     `choose(batch)` before a step, `observe(drafted, accepted)` for each sequence it verified,
     `record(depth, batch, seconds)` after it. `depth`: the heads (0: never speculate); `max_batch`:
-    no speculation above it. `mode` "auto" measures; "always" (every head's draft) and "never" fix
-    the choice (what a benchmark compares).
+    no speculation above it; `lookup`: sequences may draft by lookup instead (`LookupYield`: a
+    speculative step's tokens are then a lookup's where contexts repeat, the heads' elsewhere, and
+    without heads its one speculative kind is depth 1). `mode` "auto" measures; "always" (every
+    head's draft) and "never" fix the choice (what a benchmark compares).
 
     A kind of step is judged by its seconds per emitted token: its cost (seconds per
-    sequence-step, the median of its last steps at this batch size) over the tokens a sequence's
-    step of it emits, which come from the heads' acceptance (`Acceptance`, over every verified
-    draft, so far less noisy than one probe's tokens). A speculative step costs more and only
+    sequence-step, the mean of its last steps at this batch size, outliers left out) over the
+    tokens a sequence's step of it emits, which come from the heads' acceptance (`Acceptance`,
+    over every verified draft, so far less noisy than one probe's tokens). A speculative step costs more and only
     acceptance pays for it; a deeper step costs more again, and its last heads are the ones that
     guess worst. Depths never measured cost what the measured ones on either side say, in a line.
 
@@ -447,10 +457,15 @@ class SpeculationPolicy:
 
     @staticmethod
     def typical_cost(costs) -> float:
-        """The median of `costs` (0.0 for none): a step that built a kernel (a new shape's first)
-        takes seconds, and one such step, or a few the machine's other work slowed, would decide a
-        probe; a kind's own steps cost nearly the same."""
-        return statistics.median(costs) if costs else 0.0
+        """The mean of `costs` that are at most `OUTLIER` times their median (0.0 for none): a
+        step that built a kernel (a new shape's first) takes seconds, and one such step, or a few
+        the machine's other work slowed, would decide a probe. Not the median itself: a kind's
+        steps differ where only some sequences drafted (lookup finds a repeat in a few contexts,
+        and those steps verify more rows), and the median step is then one that drafted least."""
+        if not costs:
+            return 0.0
+        median = statistics.median(costs)
+        return statistics.fmean(c for c in costs if c <= OUTLIER * median)
 
     def current(self, batch: int) -> int:
         """The depth steps at `batch` take now (auto mode, outside probes)."""
