@@ -189,3 +189,15 @@ def test_the_serve_command_speculates_by_lookup_or_says_why_not(flags, says, spi
     proc = subprocess.run([sys.executable, "-m", "atelier.cli.main", "serve", *args, "--port", "1"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and says in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_atelier_eval_speculate_reaches_the_engine_it_opens(spiky_model_dir):
+    """`atelier eval --speculate` (its inference config) opens a built-in engine that speculates by
+    lookup on a model without heads; unset, the same model decodes plainly."""
+    from atelier.eval.models import open_eval_model
+    from atelier.inference.config import inference_config
+    from atelier.inference.types import owning
+
+    for speculate, drafters in ((True, ("lookup",)), (None, ())):
+        with owning(open_eval_model(str(spiky_model_dir), inference=inference_config("builtin", (), speculate))) as m:
+            assert m.drafters == drafters
