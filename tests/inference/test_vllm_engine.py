@@ -519,3 +519,39 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie waits only for its reaper
     except OSError:
         return False
+
+
+def test_vllm_ngram_speculation_needs_no_heads(vllm_model_dir):
+    """`vllm.speculative_method = "ngram"` asks vLLM for drafts from the context, for any model (no
+    config read, no MTP layers), matching the n-grams the built-in engine's lookup matches."""
+    import json
+
+    from atelier.inference.speculative import LOOKUP_MAX, LOOKUP_MIN
+    from atelier.inference.vllm_server import VLLMConfig, speculative_args
+
+    flag, spec = speculative_args(VLLMConfig(speculative_tokens=4, speculative_method="ngram"), vllm_model_dir)
+    assert flag == "--speculative-config"
+    assert json.loads(spec) == {"method": "ngram", "num_speculative_tokens": 4,
+                                "prompt_lookup_min": LOOKUP_MIN, "prompt_lookup_max": LOOKUP_MAX}
+
+
+@pytest.mark.slow  # a server of its own: minutes here
+@pytest.mark.timeout(2400)
+def test_a_vllm_server_speculating_by_ngram_decodes_as_one_that_does_not(vllm_engine, vllm_model_dir, tmp_path):
+    """A real vLLM server started with n-gram speculation: its greedy tokens are the session
+    server's (fp32), and its metrics count drafts made and kept."""
+    import httpx
+
+    from atelier.inference.vllm_engine import VLLMEngine
+    from atelier.inference.vllm_server import VLLMConfig
+
+    prompt = vllm_engine.tokenizer.encode("a b c d a b c d a b c d a b")
+    want = vllm_engine.generate(prompt, greedy(4 * CHUNK)).token_ids
+    config = VLLMConfig(dtype="float32", chunk_tokens=CHUNK, enforce_eager=True, kv_cache_gb=1, max_model_len=1024,
+                        speculative_tokens=4, speculative_method="ngram")
+    with VLLMEngine(vllm_model_dir, config, work_dir=tmp_path) as engine:
+        assert engine.generate(prompt, greedy(4 * CHUNK)).token_ids == want
+        metrics = httpx.get(f"{engine.base_url}/metrics", timeout=30).text
+    drafts = [float(line.split()[-1]) for line in metrics.splitlines()
+              if line.startswith("vllm:spec_decode_num_draft_tokens_total")]
+    assert drafts and drafts[0] > 0

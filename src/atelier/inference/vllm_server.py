@@ -135,10 +135,13 @@ class VLLMConfig(AtelierConfig):
     extra_args: list[str] = Field(default_factory=list)
     """More command-line flags for the server."""
     speculative_tokens: int = Field(0, ge=0)
-    """Draft tokens per step from the model's own MTP layers (vLLM's speculative config, method
-    mtp), for architectures whose checkpoints carry MTP layers vLLM loads (`NATIVE_MTP`). 0: off.
-    atelier's own heads (mtp.json, `atelier mtp attach`) have no vLLM loader: speculate with them
-    on the built-in engine."""
+    """Draft tokens per step (vLLM's speculative config). 0: off."""
+    speculative_method: Literal["mtp", "ngram"] = "mtp"
+    """Where the drafts come from. mtp: the model's own MTP layers, for architectures whose
+    checkpoints carry layers vLLM loads (`NATIVE_MTP`); atelier's own heads (mtp.json, `atelier
+    mtp attach`) have no vLLM loader: speculate with them on the built-in engine. ngram: lookup in
+    the request's context (vLLM's n-gram proposer, matching 2- to 4-grams as the built-in engine's
+    lookup does), for any model."""
 
 
 class VLLMUnavailable(AtelierError, InfraError):
@@ -186,6 +189,12 @@ def speculative_args(config: VLLMConfig, model_dir: str | Path) -> list[str]:
     `SpeculationUnsupported` naming why vLLM cannot draft for it."""
     if config.speculative_tokens == 0:
         return []
+    if config.speculative_method == "ngram":
+        from atelier.inference.speculative import LOOKUP_MAX, LOOKUP_MIN
+
+        spec = {"method": "ngram", "num_speculative_tokens": config.speculative_tokens,
+                "prompt_lookup_min": LOOKUP_MIN, "prompt_lookup_max": LOOKUP_MAX}
+        return ["--speculative-config", json.dumps(spec)]
     d = Path(model_dir)
     try:
         model_config = json.loads((d / "config.json").read_text())
@@ -199,8 +208,9 @@ def speculative_args(config: VLLMConfig, model_dir: str | Path) -> list[str]:
         raise SpeculationUnsupported(
             f"vLLM drafts with a checkpoint's own MTP layers only for {', '.join(sorted(NATIVE_MTP))} "
             f"models that carry them; {d.name} is {model_type!r} without them.{own}",
-            hint="set vllm.speculative_tokens = 0, or use the built-in engine, which speculates with "
-                 "atelier's heads ([inference.builtin] speculate)")
+            hint="set vllm.speculative_method = \"ngram\" (drafts from the context, any model) or "
+                 "vllm.speculative_tokens = 0, or use the built-in engine, which speculates with atelier's "
+                 "heads ([inference.builtin] speculate)")
     spec = {"method": "mtp", "num_speculative_tokens": config.speculative_tokens}
     return ["--speculative-config", json.dumps(spec)]
 
