@@ -201,3 +201,67 @@ def test_atelier_eval_speculate_reaches_the_engine_it_opens(spiky_model_dir):
     for speculate, drafters in ((True, ("lookup",)), (None, ())):
         with owning(open_eval_model(str(spiky_model_dir), inference=inference_config("builtin", (), speculate))) as m:
             assert m.drafters == drafters
+
+
+def test_a_stop_inside_accepted_drafts_ends_the_request_whole(tmp_path):
+    """A stop token among a step's kept drafts: the request ends there, the drafts after it are
+    neither emitted nor counted as cached positions of its context, and an MoE model's routes
+    (one row per context position) come back with it. The model's layers add nothing and its head
+    maps 5 -> 6 -> 7 -> 5, so a prompt ending in that cycle gets its 4 drafts kept."""
+    from transformers import AutoModelForCausalLM
+
+    from atelier.inference.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "moe", moe=True, initializer_range=0.2, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    nxt = torch.arange(model.config.vocab_size)
+    nxt[[5, 6, 7]] = torch.tensor([6, 7, 5])
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if name.endswith(("o_proj.weight", "experts.down_proj")):
+                weight.zero_()
+        model.lm_head.weight[nxt] = model.model.embed_tokens.weight   # after token t: nxt[t]
+        model.model.norm.weight.fill_(1.0)
+    model.save_pretrained(path)
+    prompt = [9, 5, 6, 7, 5, 6, 7, 5, 6]
+    params = SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=(5,))
+    (want,), _ = run(path, params, [prompt], speculate=False)
+    assert want.token_ids == [7, 5]
+    (got,), stats = run(path, params, [prompt], speculate=True)
+    assert got.finish_reason == "stop" and got.token_ids == [7, 5]
+    assert stats["lookup_accepted"] >= 2   # the drafts after the stop token were kept too
+    assert got.routes is not None
+
+
+def test_every_step_of_lookup_alone_counts_as_speculation(spiky_model_dir, monkeypatch):
+    """Without heads, a request that found no repeat has nothing else to draft with: its step is
+    a speculative step all the same, and the policy records it (a new request's first step too)."""
+    with LocalEngine(spiky_model_dir, dtype="float32", compile=False, speculate=True) as engine:
+        engine.speculation.mode = "always"
+        recorded = []
+        record = engine.speculation.record
+        monkeypatch.setattr(engine.speculation, "record", lambda *a: (recorded.append(a[0]), record(*a)))
+        engine.generate(list(range(20, 40)), SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(-1,)))
+    assert recorded == [1] * engine.stats["speculative_steps"]   # (closed: the last step's record is in)
+
+
+def test_heads_run_over_a_prompt_that_lookup_drafts_for(cycling_dir, tmp_path, monkeypatch):
+    """A prompt that ends in the model's own cycle is drafted for by lookup from its first step,
+    yet its prefill still runs every head over it: no head is left without keys over the prompt
+    (its kept rows would be cut back to the backlog, and the heads would attend from there on)."""
+    from tests.inference.test_speculative import with_heads
+
+    monkeypatch.setattr("atelier.inference.speculative.MAX_BACKLOG", 8)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=(-1,))
+    (cycle,), _ = run(cycling_dir, greedy, [REPEATING], speculate=False)
+    path = with_heads(cycling_dir, tmp_path / "heads")
+    with LocalEngine(path, dtype="float32", compile=False, speculate=True) as engine:
+        engine.speculation.mode = "always"
+        seen: list[tuple[int, bool]] = []
+        speculate = engine._speculate
+        monkeypatch.setattr(engine, "_speculate", lambda depth: (
+            seen.extend((r.heads.unseen, r.looked_up) for r in engine._active), speculate(depth))[1])
+        engine.generate(REPEATING + cycle.token_ids, SamplingParams(max_tokens=8, temperature=0.0,
+                                                                    stop_token_ids=(-1,)))
+    assert engine.stats["lookup_drafted"] > 0
+    assert seen[1] == (0, True)   # a looked-up step after the first: every head attends from the start

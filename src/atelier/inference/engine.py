@@ -675,7 +675,7 @@ class LocalEngine:
             if follow:
                 request.heads.extend(starts[b], hidden[b], seen_before=drafting, cap=not drafting)
         if drafting:   # every head over the prompt: its keys are there for whichever depth comes next
-            self._draft([r for _, r in todo], self._speculation.depth)
+            self._draft([r for _, r in todo], self._speculation.depth, look_up=False)
 
     @staticmethod
     def _scores(request: _Request) -> bool:
@@ -788,7 +788,9 @@ class LocalEngine:
         active = list(self._active)
         stale = [r for r in active if r.draft_depth < depth]
         if stale and self._lookup:
-            self._look_up(stale, depth)
+            for request in self._look_up(stale, depth):
+                if self._heads is None:   # no repeat and nothing else to draft with: drafted all the same
+                    request.drafts, request.draft_probs, request.draft_depth = [], None, depth
         full = True
         for request in active:   # never draft past what the request may still emit
             room = min(request.params.max_tokens - len(request.token_ids),
@@ -815,9 +817,11 @@ class LocalEngine:
             self._count_drafts(request, len(active), len(out) - 1)
             if request.heads is not None:
                 request.heads.extend(request.length, hidden_NM[at:at + len(out)])
-            request.length += len(out)
             at += k
             for (token, logprob), top in zip(out, tops):
+                # the cache holds the position before each emitted token; one that finishes the
+                # request leaves the accepted drafts after it out of the context and the cache's count
+                request.length += 1
                 if self._append(request, token, logprob, version, top):
                     break   # it finished: nothing to draft
             else:
@@ -835,14 +839,15 @@ class LocalEngine:
             self.stats["lookup_accepted"] += accepted
         self._speculation.observe(batch, drafted, accepted, looked_up=request.looked_up)
 
-    def _draft(self, todo: list[_Request], depth: int) -> None:
+    def _draft(self, todo: list[_Request], depth: int, look_up: bool = True) -> None:
         """Draft for each of `todo`: by lookup where its context repeats itself, else `depth`
         tokens by the first `depth` heads, run over the positions its heads have yet to run over
         (`HeadProgress`). A request that looked up leaves its heads behind; they catch up on the
-        next pass that runs them."""
-        rest = self._look_up(todo, depth) if self._lookup else todo
+        next pass that runs them. `look_up` False: the heads draft for every request (a prompt's
+        prefill: they must run over it, or lose all but its last `MAX_BACKLOG` positions)."""
+        rest = self._look_up(todo, depth) if self._lookup and look_up else todo
         for request in rest:
-            request.drafts, request.draft_probs, request.draft_depth = [], None, depth
+            request.drafts, request.draft_probs, request.draft_depth, request.looked_up = [], None, depth, False
         if not rest or self._heads is None:
             return
         depth = min(depth, len(self._heads))
