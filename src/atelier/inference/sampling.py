@@ -163,7 +163,7 @@ def speculative_accept(logits_KV: torch.Tensor, drafts: list[int], draft_probs: 
             p_V = p_V / p_V.sum()
             q_V = draft_probs[i]
             u = float(torch.rand((), generator=generator, dtype=torch.float64))
-            if u * (1.0 if q_V is None else float(q_V[d])) <= float(p_V[d]):
+            if u * (1.0 if q_V is None else float(q_V[d])) < float(p_V[d]):   # (u = 0 never keeps p = 0)
                 out.append(d)
                 continue
             if q_V is None:   # a draft not drawn (q: all mass on it): the residual is p without it
