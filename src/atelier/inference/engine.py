@@ -180,6 +180,11 @@ class _Request:
     def context(self) -> list[int]:
         return self.prompt + self.token_ids
 
+    def set_drafts(self, tokens: list[int] | None = None, probs: list[torch.Tensor | None] | None = None,
+                   depth: int = 0, looked_up: bool = False) -> None:
+        """The request's next drafts, drafted for `depth` (no arguments: none, nothing drafted)."""
+        self.drafts, self.draft_probs, self.draft_depth, self.looked_up = tokens or [], probs, depth, looked_up
+
 
 class RequestHandle:
     """One submitted request: `result()` blocks for its `Generation`, `cancel()` abandons it."""
@@ -711,7 +716,8 @@ class LocalEngine:
         self._active.remove(request)
         self._release(request)
         request.length = 0
-        request.drafts, request.draft_probs, request.draft_depth, request.heads = [], None, 0, None
+        request.set_drafts()
+        request.heads = None
         self.stats["preemptions"] += 1
         with self._cond:
             self._waiting.insert(0, request)
@@ -735,7 +741,7 @@ class LocalEngine:
         self._grow()
         active = self._active
         for request in active:   # the heads do not run on plain steps: their drafts go stale
-            request.drafts, request.draft_probs, request.draft_depth = [], None, 0
+            request.set_drafts()
         args = ([r.token_ids[-1] for r in active], [r.length for r in active], [r.blocks for r in active])
         if self.batch_invariant:
             logits_BV = torch.cat([self._forward.decode([r.token_ids[-1]], [r.length], [r.blocks]) for r in active])
@@ -790,7 +796,7 @@ class LocalEngine:
         if stale and self._lookup:
             for request in self._look_up(stale, depth):
                 if self._heads is None:   # no repeat and nothing else to draft with: drafted all the same
-                    request.drafts, request.draft_probs, request.draft_depth = [], None, depth
+                    request.set_drafts(depth=depth)
         full = True
         for request in active:   # never draft past what the request may still emit
             room = min(request.params.max_tokens - len(request.token_ids),
@@ -847,7 +853,7 @@ class LocalEngine:
         prefill: they must run over it, or lose all but its last `MAX_BACKLOG` positions)."""
         rest = self._look_up(todo, depth) if self._lookup and look_up else todo
         for request in rest:
-            request.drafts, request.draft_probs, request.draft_depth, request.looked_up = [], None, depth, False
+            request.set_drafts(depth=depth)
         if not rest or self._heads is None:
             return
         depth = min(depth, len(self._heads))
@@ -866,13 +872,12 @@ class LocalEngine:
             if request.lookup is None:
                 request.lookup = PromptLookup()
             proposal = request.lookup.propose(request.context, LOOKUP_DRAFTS)
-            request.looked_up = bool(proposal)
             if not proposal:
+                request.looked_up = False
                 rest.append(request)
                 continue
             greedy = request.params.temperature < MIN_TEMPERATURE
-            request.drafts, request.draft_probs = proposal, None if greedy else [None] * len(proposal)
-            request.draft_depth = depth
+            request.set_drafts(proposal, None if greedy else [None] * len(proposal), depth, looked_up=True)
         return rest
 
     def _finish_reason(self, request: _Request, token: int) -> str | None:
@@ -917,8 +922,8 @@ class LocalEngine:
         if reason in ("stop", "length"):
             request.routes = self._routes(request)
         self._release(request)
-        # a held handle keeps none of it
-        request.drafts, request.draft_probs, request.heads, request.lookup = [], None, None, None
+        request.set_drafts()   # a held handle keeps none of it
+        request.heads, request.lookup = None, None
         request.finish_reason, request.error = reason, error
         if reason == "abort":
             self.stats["cancelled"] += 1
