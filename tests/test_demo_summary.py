@@ -72,43 +72,50 @@ def test_tree_memory_counts_pages_a_forked_child_shares_once() -> None:
         holder.wait()
 
 
+# Run in a process of its own: reading smaps_rollup walks the reader's whole address space, and
+# the test process, with models loaded by earlier tests, made each of the 1,000 samples 30x dearer.
+BUSY_PROCESS = """
+import json, os, subprocess, sys, threading
+import numpy as np
+from atelier.pipeline.memory import tree_memory
+
+held = np.ones(400 << 17)   # 400 MiB, so that a second count stands out
+stop = threading.Event()
+
+def churn():   # page counts that change between two reads of /proc, as a training step's do
+    while not stop.is_set():
+        np.ones(40 << 17)
+
+def spawn():   # vfork children (subprocess's default): each is this memory until it execs
+    while not stop.is_set():
+        subprocess.run(["true"])
+
+workers = [threading.Thread(target=work) for work in (churn, spawn)]
+for worker in workers:
+    worker.start()
+try:
+    samples = [tree_memory(os.getpid()) for _ in range(1000)]
+finally:
+    stop.set()
+    for worker in workers:
+        worker.join()
+json.dump({figure: [getattr(s, figure) for s in samples] for figure in ("pss", "rss")}, sys.stdout)
+"""
+
+
 def test_a_busy_process_and_its_vfork_children_are_counted_once() -> None:
     """A process that starts subprocesses while its memory moves (the RL stage: a trainer
     stepping while rollouts start sandboxes) is counted once in every sample. A vfork child
     shows its parent's page counts until it execs; one that then exec'd or exited before its
     smaps_rollup was read was counted with those counts, a second copy of its parent: 2 to 17
     of 1,500 samples here, and an 11.65 GB peak on a stage that held about 6."""
-    import threading
-
-    import numpy as np
-
     if platform.machine() not in ("x86_64", "aarch64") or not Path("/proc/self/smaps_rollup").exists():
         pytest.skip("kcmp is looked up for x86_64 and aarch64 Linux")
-    held = np.ones(400 << 17)   # 400 MiB, so that a second count stands out
-    stop = threading.Event()
-
-    def churn() -> None:   # page counts that change between two reads of /proc, as a training step's do
-        while not stop.is_set():
-            np.ones(40 << 17)
-
-    def spawn() -> None:   # vfork children (subprocess's default): each is this memory until it execs
-        while not stop.is_set():
-            subprocess.run(["true"])
-
-    workers = [threading.Thread(target=work) for work in (churn, spawn)]
-    for worker in workers:
-        worker.start()
-    try:
-        samples = [tree_memory(os.getpid()) for _ in range(1000)]
-    finally:
-        stop.set()
-        for worker in workers:
-            worker.join()
-    for figure in ("pss", "rss"):
-        values = sorted(getattr(s, figure) for s in samples)
+    done = subprocess.run([sys.executable, "-c", BUSY_PROCESS], capture_output=True, text=True, check=True)
+    for figure, values in json.loads(done.stdout).items():
+        values.sort()
         twice = sum(v > values[len(values) // 2] + (300 << 20) for v in values)
         assert twice == 0, f"{twice} of {len(values)} samples counted the process twice ({figure})"
-    del held
 
 
 def test_same_memory_tells_a_shared_address_space_from_a_child_process() -> None:
