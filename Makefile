@@ -83,11 +83,17 @@ docs-check: $(STAMP)
 docs: docs-check
 	$(MKDOCS) serve
 
+# Two workers (pytest-xdist): most tests wait on a subprocess, a server or a sandbox as much as
+# they compute, so two keep both cores of a laptop busy. tests/conftest.py keeps each file's tests,
+# and all those of the one vLLM server or Ray instance, on one worker. TEST_WORKERS=0 runs in-process.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+
 test: $(STAMP) $(VLLM_STAMP) test-deps lint docs-check
-	$(PY) -m pytest
+	$(PYTEST)
 
 test-all: $(STAMP) $(VLLM_STAMP) test-deps lint docs-check
-	$(PY) -m pytest -m ''
+	$(PYTEST) -m ''
 
 bench: $(STAMP) sandbox-deps
 	$(PY) benchmarks/sandbox.py

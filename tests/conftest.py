@@ -79,3 +79,15 @@ def ray_instance():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+# Under pytest-xdist (`make test` runs two workers), tests go to workers by `xdist_group`: a file's
+# tests stay together (its module fixtures are built once), and every test of the one vLLM server,
+# or of the shared Ray instance, runs on one worker, so each is started once per session.
+SHARED_ONCE = {"vllm_engine": "vllm", "ray_instance": "ray"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        shared = [group for fixture, group in SHARED_ONCE.items() if fixture in item.fixturenames]
+        item.add_marker(pytest.mark.xdist_group(shared[0] if shared else item.nodeid.split("::")[0]))
