@@ -357,6 +357,18 @@ def test_policy_follows_the_heads_drift_back_to_plain_steps():
     assert policy.current(8) == 0 and policy.acceptance.rates()[0] < 0.2
 
 
+def test_speculation_that_loses_a_little_gives_way_to_plain_steps():
+    """Speculation chosen while it paid, then heads that guess so much worse that it runs 5% slower
+    than plain steps: less than speculation must win by to be chosen, and still the policy returns
+    to plain steps (the kind that cannot lose), and stays there."""
+    policy = SpeculationPolicy(1, max_batch=16)
+    costs = {0: 0.012, 1: 0.0145}
+    _steps(policy, 4, costs, [0.8], 200)
+    assert policy.current(4) == 1
+    chosen = _steps(policy, 4, costs, [0.15], 1000, seed=1)       # 0.0145 / 1.15 = 1.05 x 0.012 a token
+    assert policy.current(4) == 0 and chosen[-500:].count(1) < 25
+
+
 def test_costs_from_another_workload_do_not_decide_a_switch():
     """Long agent contexts, then short chat replies, in turn at the same batch size: every step
     costs more in the first. Speculation loses in both; a cheap cost measured in one must never be

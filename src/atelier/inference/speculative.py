@@ -247,6 +247,7 @@ class DraftHeads:
 
 GAIN = 0.92           # another kind of step becomes current when its seconds per token are below this share
 DEPTH_GAIN = 0.97     # ... of the current one's; this share between two depths that both speculate
+RETURN_GAIN = 0.98    # ... and this share for plain steps replacing a speculative kind
 FAR = 1.5             # a probe this many times slower per token backs the next one off 8x, not 2x
 COMPARED = 16         # a kind's cost is over its last this many steps
 WARM_STEPS = 4        # plain steps at a batch size before its first probe of speculation
@@ -389,6 +390,7 @@ class _Bucket:
     judged: int | None = None                          # a finished probe's depth, waiting for ...
     judge_left: int = 0                                # ... this many more current-kind steps
     chained: int = 0                                   # probes a decision has sent on to the next
+    drifted: bool = False                              # the running probe came of the heads' drift
     yield_then: float = 1.0                            # the current depth's tokens a step, when chosen
     steps: int = 0                                     # steps taken at this batch size
     measured: dict[int, int] = field(default_factory=dict)  # per depth: `steps` when last measured
@@ -414,7 +416,8 @@ class SpeculationPolicy:
     the first probe runs every head (measuring all their acceptances), a few steps long (more at
     batch 1, where one step's tokens vary most); then the kind with the fewest seconds per token
     becomes current if it beats the current one by `GAIN` (`DEPTH_GAIN` between two depths that
-    both speculate). A step's cost moves with its
+    both speculate, `RETURN_GAIN` for plain steps replacing speculation: the kind that cannot
+    lose comes back at a smaller loss than the one speculation must win by to replace it). A step's cost moves with its
     sequences' lengths, so a cost from another workload (long agent contexts, then short chat
     replies) would decide a switch wrongly: a probe is judged against the current kind's steps
     just before and just after it, as many of each as it has (as a benchmark interleaves), and a
@@ -425,7 +428,8 @@ class SpeculationPolicy:
     between probes count that batch size's own steps (not seconds: what else the engine ran in
     between says nothing of this batch size): after a switch the next probe comes `FIRST_GAP`
     steps later; a probe that loses doubles the gap (multiplies it by 8 where speculation lost to
-    plain steps by `FAR`: that far from paying, soon again would be waste) up to `LAST_GAP`. A
+    plain steps by `FAR`: that far from paying, soon again would be waste) up to `LAST_GAP`; one
+    the drift brought leaves it as it was (the drift may go on, and the due probes still come). A
     probe also costs more than its steps: the heads first catch up on the positions decoded
     without them (up to `MAX_BACKLOG` of a new request's prompt). So where speculation does not
     pay it costs a few steps in a thousand, and where it does it is on within a few dozen steps,
@@ -547,6 +551,7 @@ class SpeculationPolicy:
             state.countdown -= 1
             if self._tokens(state, depth) < GAIN * state.yield_then:
                 state.countdown = 0   # the heads guess worse than when this depth was chosen: now
+                state.drifted = True
             if state.countdown <= 0:
                 self._probe(state, batch, self._next_probe(state))
 
@@ -591,7 +596,11 @@ class SpeculationPolicy:
             # to another depth says nothing of plain steps, which the next probe may well measure
             ratio = estimates[probed] / max(estimates[state.current], 1e-12)
             far = ratio > FAR and state.current == 0
-            state.gap = state.countdown = min(LAST_GAP, (8 if far else 2) * state.gap)
+            # a probe the heads' drift brought early says less than a due one: the drift may go on,
+            # so the due probes keep their gap
+            grow = 1 if state.drifted else 8 if far else 2
+            state.gap = state.countdown = min(LAST_GAP, grow * state.gap)
+        state.drifted = False
         state.yield_then = self._tokens(state, state.current)
 
     @staticmethod
@@ -607,8 +616,14 @@ class SpeculationPolicy:
     def _gain(depth: int, current: int) -> float:
         """The share of the current kind's seconds per token `depth` must come under to replace it:
         a smaller margin between two speculative depths, whose costs were measured side by side
-        and whose tokens come from the same acceptance, than between speculating and not."""
-        return DEPTH_GAIN if depth and current else GAIN
+        and whose tokens come from the same acceptance, than between speculating and not; and a
+        smaller one still for plain steps to replace speculation. The margins differ so that a
+        kind does not flip back and forth on noise; they are uneven because speculation that
+        loses a little (less than `GAIN`) would otherwise stay, and "never slower than plain
+        steps" matters more than a small gain."""
+        if depth == 0:
+            return RETURN_GAIN
+        return DEPTH_GAIN if current else GAIN
 
     def _per_token(self, state: _Bucket, among: set[int] | None = None, last: int = COMPARED
                    ) -> dict[int, float | None]:
