@@ -33,14 +33,19 @@ def _refused(res: subprocess.CompletedProcess, *words: str) -> None:
 
 
 def test_the_tmp_directory_itself_is_a_workspace():
-    """As root, /tmp is where sandboxes are staged: the workspace must be /tmp's own files."""
-    res = run_cli("--workspace", "/tmp", "--", "sh", "-c", "ls -A /workspace | sort")
-    if any(mp.startswith("/tmp/") for mp, _ in mounts()):
-        _refused(res, "holds mount points")
-        return
-    assert res.returncode == 0, res.stderr
-    listed = set(res.stdout.split())
-    assert listed and listed <= set(os.listdir("/tmp")) | {"tmp"}  # what /tmp held when it listed it
+    """As root, /tmp is where sandboxes are staged: the workspace must be /tmp's own files. (Other
+    processes, the test suite's other worker among them, add and remove files in /tmp meanwhile,
+    so the listing is checked by a file of this test's own and by what stays in /tmp throughout.)"""
+    with tempfile.NamedTemporaryFile(dir="/tmp", prefix="atelier-workspace-") as own:
+        before = set(os.listdir("/tmp"))
+        res = run_cli("--workspace", "/tmp", "--", "sh", "-c", "ls -A /workspace | sort")
+        throughout = before & set(os.listdir("/tmp"))
+        if any(mp.startswith("/tmp/") for mp, _ in mounts()):
+            _refused(res, "holds mount points")
+            return
+        assert res.returncode == 0, res.stderr
+        listed = set(res.stdout.split())
+        assert Path(own.name).name in throughout and throughout <= listed
 
 
 def test_a_workspace_holding_mount_points_or_on_a_kernel_filesystem_is_refused():
