@@ -265,3 +265,16 @@ def test_heads_run_over_a_prompt_that_lookup_drafts_for(cycling_dir, tmp_path, m
                                                                     stop_token_ids=(-1,)))
     assert engine.stats["lookup_drafted"] > 0
     assert seen[1] == (0, True)   # a looked-up step after the first: every head attends from the start
+
+
+def test_plain_steps_tell_the_policy_how_often_contexts_repeat(cycling_dir):
+    """While the engine takes plain steps it still looks for repeats (a few dictionary reads a
+    sequence), so its policy's share of repeats follows the text and a turn to text that repeats
+    itself can bring speculation back: a model that cycles, on plain steps only, shows the share."""
+    with LocalEngine(cycling_dir, dtype="float32", compile=False, speculate=True) as engine:
+        policy = engine._speculation
+        policy.choose = lambda batch: 0   # plain steps only: what the policy learns from them
+        engine.generate(REPEATING, SamplingParams(max_tokens=32, temperature=0.0, stop_token_ids=(-1,)))
+        assert engine.stats["speculative_steps"] == 0
+        bucket = policy._state(1).lookups
+        assert bucket.steps > 20 and bucket.share() > 0.8

@@ -220,11 +220,14 @@ def _steps(policy: SpeculationPolicy, batch: int, costs: dict[int, float], accep
     """`steps` steps as the engine takes them: choose a depth, verify each of the `batch` sequences'
     drafts (head j kept with probability `acceptance[j]` once the drafts before it are; with
     `lookup` (share, rate), that share of sequences drafts `LOOKUP_DRAFTS` by lookup instead, each
-    kept with that rate), record the step's seconds (`costs[depth]`). Returns the depths chosen."""
+    kept with that rate; on a plain step, that share of contexts holds a repeat), record the step's
+    seconds (`costs[depth]`). Returns the depths chosen."""
     rng = random.Random(seed)
     chosen = []
     for _ in range(steps):
         depth = policy.choose(batch)
+        if not depth and lookup is not None:
+            policy.observe_repeats(batch, sum(rng.random() < lookup[0] for _ in range(batch)))
         for _ in range(batch if depth else 0):
             looked_up = lookup is not None and rng.random() < lookup[0]
             drafts, rates = (LOOKUP_DRAFTS, [lookup[1]] * LOOKUP_DRAFTS) if looked_up else \
@@ -302,6 +305,19 @@ def test_lookup_alone_speculates_where_contexts_repeat_and_not_where_they_do_not
     chosen = _steps(chat, 4, costs, [], 2000, lookup=(0.03, 0.6))
     assert chat.current(4) == 0 and chosen.count(1) < 60
     assert 0.01 < chat.lookups.share() < 0.06
+
+
+def test_two_workloads_at_one_batch_size_each_get_their_kind_of_step():
+    """Lookup alone at batch 4: agent turns whose contexts repeat at 70% of steps, then chat replies
+    that repeat at 5%, in turn. Each batch size's share of repeats follows its last few dozen
+    sequence-steps, plain steps' included: chat turns go back to plain steps after a few dozen
+    steps, agent turns speculate almost throughout."""
+    policy = SpeculationPolicy(0, max_batch=16, lookup=True)
+    chat, agent = [], []
+    for turn in range(12):
+        chat.append(_steps(policy, 4, {0: 0.012, 1: 0.0143}, [], 124, seed=turn, lookup=(0.05, 0.6)).count(1))
+        agent.append(_steps(policy, 4, {0: 0.014, 1: 0.0166}, [], 47, seed=100 + turn, lookup=(0.7, 0.8)).count(1))
+    assert sum(chat[2:]) / 10 < 0.7 * 124 and sum(agent[2:]) / 10 > 0.75 * 47, (chat, agent)
 
 
 def test_a_kind_whose_steps_draft_now_and_then_costs_its_mean_step():

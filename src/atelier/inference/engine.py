@@ -756,6 +756,17 @@ class LocalEngine:
         for request in active:
             request.length += 1
         self._take(list(active), logits_BV)
+        if self._lookup and self._speculation.may_speculate(len(active)):
+            self._speculation.observe_repeats(len(active), self._repeats(active))
+
+    def _repeats(self, requests: list[_Request]) -> int:
+        """How many of `requests` have a context that a lookup would draft from now."""
+        found = 0
+        for request in requests:
+            if request.lookup is None:
+                request.lookup = PromptLookup()
+            found += bool(request.lookup.propose(request.context, 1))
+        return found
 
     def _take(self, requests: list[_Request], logits_BV: torch.Tensor) -> None:
         """Sample one token for each of `requests` (row k of logits), then retire finished ones."""

@@ -258,6 +258,7 @@ MIN_PROBE_STEPS = 4   # ... and at least this many steps (one that built a kerne
 OUTLIER = 2.0         # a step over this many times its kind's median is left out of its cost
 FRESH = 32            # a switch compares only costs measured within this many steps of each other
 ACCEPTANCE_WINDOW = 256   # a head's acceptance is over about its last this many verified drafts
+SHARE_WINDOW = 64         # one batch size's lookup share is over about its last this many sequence-steps
 PRIOR = 2.0               # ... and starts from the head before it's, worth this many drafts
 LOCAL_PRIOR = 8.0         # ... or, at one batch size, from every batch size's, worth this many
 
@@ -307,28 +308,40 @@ class Acceptance:
 
 
 class LookupYield:
-    """What lookup drafts yield: how often a speculating sequence's context repeats itself (its
-    share of sequence-steps that looked up, exponentially weighted over about the last
-    `ACCEPTANCE_WINDOW`), and the acceptance of the drafts it then proposes. With a `prior` (the
-    engine's, for one batch size's), both start from the prior's, worth `LOCAL_PRIOR` steps."""
+    """What lookup drafts yield: how often a sequence's context repeats itself (its share of
+    sequence-steps whose context held a repeat, exponentially weighted over about the last
+    `window`), and the acceptance of the drafts it then proposes. With a `prior` (the engine's,
+    for one batch size's), both start from the prior's, worth `LOCAL_PRIOR` steps. One batch
+    size's share follows its last `SHARE_WINDOW` sequence-steps: two workloads that take turns at
+    one batch size (an agent's turns that quote their context, chat replies that do not) each
+    have theirs within a few dozen steps."""
 
-    def __init__(self, prior: "LookupYield | None" = None) -> None:
+    def __init__(self, prior: "LookupYield | None" = None, window: int = ACCEPTANCE_WINDOW) -> None:
         self.acceptance = Acceptance(LOOKUP_DRAFTS, prior.acceptance if prior is not None else None)
         self.steps = 0.0
         self.matched = 0.0
         self.prior = prior
+        self.window = window
 
     def observe(self, drafted: int, accepted: int, matched: bool) -> None:
         """One sequence's speculative step: whether a lookup drafted it, and how that fared."""
-        keep = 1.0 - 1.0 / ACCEPTANCE_WINDOW
-        self.steps = self.steps * keep + 1.0
-        self.matched = self.matched * keep + float(matched)
+        self.observe_share(matched)
         if matched:
             self.acceptance.observe(drafted, accepted)
 
+    def observe_share(self, matched: bool) -> None:
+        """One sequence-step: whether its context held a repeat (a plain step's too: the engine
+        looks, which costs a few dictionary reads, so the share follows the text while no step
+        speculates)."""
+        keep = 1.0 - 1.0 / self.window
+        self.steps = self.steps * keep + 1.0
+        self.matched = self.matched * keep + float(matched)
+
     def share(self) -> float:
         """The share of sequence-steps a lookup drafts."""
-        prior, weight = (self.prior.share(), LOCAL_PRIOR) if self.prior is not None else (0.5, PRIOR)
+        # a shorter window holds fewer steps: the prior is worth as much less
+        local = LOCAL_PRIOR * self.window / ACCEPTANCE_WINDOW
+        prior, weight = (self.prior.share(), local) if self.prior is not None else (0.5, PRIOR)
         return (self.matched + weight * prior) / (self.steps + weight)
 
     def tokens(self, heads_tokens: float) -> float:
@@ -392,6 +405,7 @@ class _Bucket:
     chained: int = 0                                   # probes a decision has sent on to the next
     drifted: bool = False                              # the running probe came of the heads' drift
     yield_then: float = 1.0                            # the current depth's tokens a step, when chosen
+    deepest_then: float = float("inf")                 # ... and the deepest kind's (none before the first)
     steps: int = 0                                     # steps taken at this batch size
     measured: dict[int, int] = field(default_factory=dict)  # per depth: `steps` when last measured
 
@@ -511,6 +525,17 @@ class SpeculationPolicy:
             self.acceptance.observe(drafted, accepted)
             state.acceptance.observe(drafted, accepted)
 
+    def observe_repeats(self, batch: int, repeats: int) -> None:
+        """A plain step of `batch` sequences, `repeats` of whose contexts held a repeat a lookup
+        would have drafted from: this batch size's lookup share follows its text while it takes
+        plain steps, and a turn to text that repeats itself brings a probe."""
+        if self.lookups is None:
+            return
+        state = self._state(batch)
+        for b in range(batch):
+            self.lookups.observe_share(b < repeats)
+            state.lookups.observe_share(b < repeats)
+
     def tokens(self, batch: int, depth: int) -> float:
         """A sequence's expected tokens per step at `depth` (0: a plain step's one)."""
         return self._tokens(self._state(batch), depth)
@@ -524,7 +549,7 @@ class SpeculationPolicy:
     def _state(self, batch: int) -> _Bucket:
         key = self.bucket(batch)
         if key not in self._buckets:
-            lookups = LookupYield(prior=self.lookups) if self.lookups is not None else None
+            lookups = LookupYield(prior=self.lookups, window=SHARE_WINDOW) if self.lookups is not None else None
             self._buckets[key] = _Bucket(Acceptance(self.heads, prior=self.acceptance), lookups)
         return self._buckets[key]
 
@@ -549,8 +574,11 @@ class SpeculationPolicy:
                     self._decide(state, batch, judged)
                 return
             state.countdown -= 1
-            if self._tokens(state, depth) < GAIN * state.yield_then:
-                state.countdown = 0   # the heads guess worse than when this depth was chosen: now
+            if self._tokens(state, depth) < GAIN * state.yield_then or \
+                    depth == 0 and GAIN * self._tokens(state, self.depth) > state.deepest_then:
+                # the heads guess worse than when this depth was chosen, or (on plain steps) the
+                # contexts came to repeat themselves far more: now
+                state.countdown = 0
                 state.drifted = True
             if state.countdown <= 0:
                 self._probe(state, batch, self._next_probe(state))
@@ -602,6 +630,7 @@ class SpeculationPolicy:
             state.gap = state.countdown = min(LAST_GAP, grow * state.gap)
         state.drifted = False
         state.yield_then = self._tokens(state, state.current)
+        state.deepest_then = self._tokens(state, self.depth)
 
     @staticmethod
     def _fastest(estimates: dict[int, float], among) -> int:
