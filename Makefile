@@ -86,17 +86,14 @@ docs: docs-check
 # Two workers (pytest-xdist): most tests wait on a subprocess, a server or a sandbox as much as
 # they compute, so two keep both cores of a laptop busy. tests/conftest.py keeps each file's tests,
 # and all those of the one vLLM server or Ray instance, on one worker. TEST_WORKERS=0 runs in-process.
-# `test-all` runs in one process unless TEST_WORKERS is given: its slow tests start vLLM servers of
-# their own, and with one starting on each worker, the n-gram speculation test's server gave other
-# greedy tokens than the session server (it passes alone; the cause is not yet found).
 TEST_WORKERS ?= 2
-workers = $(if $(filter 0,$(1)),,-n $(1) --dist loadgroup)
+PYTEST := $(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
 test: $(STAMP) $(VLLM_STAMP) test-deps lint docs-check
-	$(PY) -m pytest $(call workers,$(TEST_WORKERS))
+	$(PYTEST)
 
 test-all: $(STAMP) $(VLLM_STAMP) test-deps lint docs-check
-	$(PY) -m pytest -m '' $(call workers,$(if $(filter command line environment,$(origin TEST_WORKERS)),$(TEST_WORKERS),0))
+	$(PYTEST) -m ''
 
 bench: $(STAMP) sandbox-deps
 	$(PY) benchmarks/sandbox.py

@@ -541,10 +541,14 @@ def test_a_vllm_server_speculating_by_ngram_decodes_as_one_that_does_not(vllm_en
     """A real vLLM server started with n-gram speculation: its greedy tokens are the session
     server's (fp32), and its metrics count drafts made and kept."""
     import httpx
+    from safetensors.torch import load_file
 
     from atelier.inference.vllm_engine import VLLMEngine
     from atelier.inference.vllm_server import VLLMConfig
 
+    # the model directory's weights, which the new server loads: earlier tests leave the session
+    # server (and the module's hf_model) with others
+    vllm_engine.update_weights(load_file(str(vllm_model_dir / "model.safetensors")), vllm_engine.version + 1)
     prompt = vllm_engine.tokenizer.encode("a b c d a b c d a b c d a b")
     want = vllm_engine.generate(prompt, greedy(4 * CHUNK)).token_ids
     config = VLLMConfig(dtype="float32", chunk_tokens=CHUNK, enforce_eager=True, kv_cache_gb=1, max_model_len=1024,
