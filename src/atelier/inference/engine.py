@@ -761,12 +761,14 @@ class LocalEngine:
 
     def _repeats(self, requests: list[_Request]) -> int:
         """How many of `requests` have a context that a lookup would draft from now."""
-        found = 0
-        for request in requests:
-            if request.lookup is None:
-                request.lookup = PromptLookup()
-            found += bool(request.lookup.propose(request.context, 1))
-        return found
+        return sum(bool(self._propose(request, 1)) for request in requests)
+
+    @staticmethod
+    def _propose(request: _Request, depth: int) -> list[int]:
+        """A lookup's drafts for `request` (`PromptLookup`, its table made on first use)."""
+        if request.lookup is None:
+            request.lookup = PromptLookup()
+        return request.lookup.propose(request.context, depth)
 
     def _take(self, requests: list[_Request], logits_BV: torch.Tensor) -> None:
         """Sample one token for each of `requests` (row k of logits), then retire finished ones."""
@@ -880,9 +882,7 @@ class LocalEngine:
         heads); returns the others."""
         rest = []
         for request in requests:
-            if request.lookup is None:
-                request.lookup = PromptLookup()
-            proposal = request.lookup.propose(request.context, LOOKUP_DRAFTS)
+            proposal = self._propose(request, LOOKUP_DRAFTS)
             if not proposal:
                 request.looked_up = False
                 rest.append(request)

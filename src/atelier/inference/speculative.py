@@ -403,7 +403,7 @@ class _Bucket:
     judged: int | None = None                          # a finished probe's depth, waiting for ...
     judge_left: int = 0                                # ... this many more current-kind steps
     chained: int = 0                                   # probes a decision has sent on to the next
-    drifted: bool = False                              # the running probe came of the heads' drift
+    drifted: bool = False                              # the running probe came of a drift, not when due
     yield_then: float = 1.0                            # the current depth's tokens a step, when chosen
     deepest_then: float = float("inf")                 # ... and the deepest kind's (none before the first)
     steps: int = 0                                     # steps taken at this batch size
@@ -431,8 +431,8 @@ class SpeculationPolicy:
     batch 1, where one step's tokens vary most); then the kind with the fewest seconds per token
     becomes current if it beats the current one by `GAIN` (`DEPTH_GAIN` between two depths that
     both speculate, `RETURN_GAIN` for plain steps replacing speculation: the kind that cannot
-    lose comes back at a smaller loss than the one speculation must win by to replace it). A step's cost moves with its
-    sequences' lengths, so a cost from another workload (long agent contexts, then short chat
+    lose comes back at a smaller loss than the one speculation must win by to replace it). A
+    step's cost moves with its sequences' lengths, so a cost from another workload (long agent contexts, then short chat
     replies) would decide a switch wrongly: a probe is judged against the current kind's steps
     just before and just after it, as many of each as it has (as a benchmark interleaves), and a
     switch weighs only costs measured within `FRESH` steps of each other; a depth that only a line
